@@ -1,0 +1,222 @@
+"""A `Machine` is one VM as the worker holds it: its own disk, its VMM, its agent connection.
+
+It is the one owner of those three: `boot()` and `restore()` make them, `close()` releases all
+of them (VMM process, sockets, disk, run directory) whatever state the VM is in, including
+after the VMM died on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from space.worker.agent_client import AgentClient, AgentConnectionLost
+from space.worker.storage.pool import Pool
+from space.worker.storage.reflink import clone_file
+from space.worker.vmm.base import (
+    VM,
+    Driver,
+    SnapshotInfo,
+    VMConfig,
+    VMGone,
+    VMStatus,
+)
+
+log = logging.getLogger(__name__)
+
+DISK = "disk.img"
+
+
+@dataclass(frozen=True)
+class BootImages:
+    """What a VM boots: the guest kernel, its initramfs and a template root image."""
+
+    kernel: Path
+    initrd: Path | None
+    rootfs: Path
+
+
+def new_vm_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+class Machine:
+    def __init__(self, vm: VM, agent: AgentClient, timings: dict[str, float]) -> None:
+        self.vm = vm
+        self.agent = agent
+        self.timings = timings  # seconds per phase of how it came up
+
+    @property
+    def id(self) -> str:
+        return self.vm.id
+
+    @property
+    def run_dir(self) -> Path:
+        return self.vm.run_dir
+
+    @property
+    def disk(self) -> Path:
+        return self.vm.config.rootfs
+
+    @classmethod
+    async def boot(
+        cls,
+        driver: Driver,
+        pool: Pool,
+        images: BootImages,
+        *,
+        vm_id: str | None = None,
+        vcpus: int = 1,
+        memory_mib: int = 256,
+        hostname: str | None = None,
+        boot_timeout: float = 90.0,
+    ) -> Machine:
+        """Cold boot: clone the template, start the VMM, wait for the agent to answer."""
+        t0 = time.perf_counter()
+        vm_id = vm_id or new_vm_id()
+        run_dir = _make_run_dir(pool, vm_id)
+        try:
+            disk = run_dir / DISK
+            await asyncio.to_thread(clone_file, images.rootfs, disk)
+            config = VMConfig(
+                vm_id=vm_id,
+                kernel=images.kernel,
+                initrd=images.initrd,
+                rootfs=disk,
+                vcpus=vcpus,
+                memory_mib=memory_mib,
+                hostname=hostname or f"sb-{vm_id}",
+                agent_token=new_token(),
+            )
+            t1 = time.perf_counter()
+            vm = await driver.boot(config, run_dir)
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        t2 = time.perf_counter()
+        agent = await _connect_agent(vm, config.agent_token, boot_timeout)
+        t3 = time.perf_counter()
+        return cls(vm, agent, {"disk": t1 - t0, "vmm": t2 - t1, "agent": t3 - t2})
+
+    @classmethod
+    async def restore(
+        cls,
+        driver: Driver,
+        pool: Pool,
+        snapshot: SnapshotInfo,
+        *,
+        vm_id: str | None = None,
+        hostname: str | None = None,
+        timeout: float = 30.0,
+    ) -> Machine:
+        """Start a VM from a snapshot and give it an identity of its own."""
+        t0 = time.perf_counter()
+        vm_id = vm_id or new_vm_id()
+        run_dir = _make_run_dir(pool, vm_id)
+        try:
+            disk = run_dir / DISK
+            await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
+            config = snapshot.config.with_changes(vm_id=vm_id, rootfs=disk)
+            t1 = time.perf_counter()
+            vm = await driver.restore(snapshot, config, run_dir)
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        t2 = time.perf_counter()
+        # The snapshot's token opens the first connection; a fresh one replaces it at once, so
+        # no two restores of one snapshot share a token, a hostname or an RNG state.
+        agent = await _connect_agent(vm, snapshot.config.agent_token, timeout)
+        try:
+            token = new_token()
+            await agent.refresh_identity(hostname=hostname or f"sb-{vm_id}", token=token)
+        except BaseException:
+            await agent.close()
+            await _discard(vm)
+            raise
+        vm.config = vm.config.with_changes(agent_token=token, hostname=hostname or f"sb-{vm_id}")
+        vm.save()
+        t3 = time.perf_counter()
+        return cls(vm, agent, {"disk": t1 - t0, "vmm": t2 - t1, "agent": t3 - t2})
+
+    async def reconnect(self, timeout: float = 30.0) -> None:
+        """A new agent connection (after the old one was lost, e.g. across a snapshot)."""
+        await self.agent.close()
+        self.agent = await _connect_agent(self.vm, self.vm.config.agent_token, timeout)
+
+    def status(self) -> VMStatus:
+        return self.vm.status()
+
+    async def pause(self) -> None:
+        await self.vm.pause()
+
+    async def resume(self) -> None:
+        await self.vm.resume()
+
+    async def snapshot(self, dest: Path) -> SnapshotInfo:
+        """Flush the guest's file system, then save memory, devices and disk. Leaves it paused."""
+        if self.agent.connected:
+            await self.agent.run(["sync"], timeout=30)
+        return await self.vm.snapshot(dest)
+
+    async def close(self) -> None:
+        """Release everything: agent connection, VMM process, sockets, disk, run directory."""
+        await self.agent.close()
+        await _discard(self.vm)
+
+    async def __aenter__(self) -> Machine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _make_run_dir(pool: Pool, vm_id: str) -> Path:
+    run_dir = pool.vms / vm_id
+    try:
+        run_dir.mkdir(mode=0o700)
+    except FileExistsError:
+        raise ValueError(f"a VM with id {vm_id!r} already exists on this worker") from None
+    return run_dir
+
+
+async def _connect_agent(vm: VM, token: str, timeout: float) -> AgentClient:
+    try:
+        return await _wait_agent(vm, token, timeout)
+    except BaseException:
+        await _discard(vm)
+        raise
+
+
+async def _wait_agent(vm: VM, token: str, timeout: float) -> AgentClient:
+    """Connect and authenticate; if the VMM dies meanwhile, say so instead of timing out."""
+    connect = asyncio.ensure_future(AgentClient.connect(vm.open_agent_stream, token, timeout))
+    died = asyncio.ensure_future(vm.wait())
+    try:
+        await asyncio.wait([connect, died], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        died.cancel()
+    if connect.done():
+        return connect.result()
+    connect.cancel()
+    with contextlib.suppress(BaseException):
+        await connect
+    status = vm.status()
+    tail = vm.console_text()[-2000:]
+    raise VMGone(f"VM {vm.id} died before its agent answered: {status.reason}\n{tail}")
+
+
+async def _discard(vm: VM) -> None:
+    with contextlib.suppress(AgentConnectionLost):
+        await vm.close()
+    shutil.rmtree(vm.run_dir, ignore_errors=True)

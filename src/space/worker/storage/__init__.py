@@ -1,0 +1,1 @@
+"""Disks on a worker: copy-on-write clones of template images, and the pool they live in."""

@@ -1,0 +1,228 @@
+"""The VMM driver interface: what a worker asks of any hypervisor.
+
+A `Driver` turns a `VMConfig` into a running `VM` (cold boot) or restores one from a snapshot
+directory. A `VM` object owns one VMM process and everything made for it (its run directory,
+sockets, console log) and releases all of it in `close()`. Drivers differ only in how they
+talk to the hypervisor; the guest agent is reached through `VM.open_agent_stream()` whatever
+the transport underneath (virtio-serial under QEMU, hybrid vsock under Firecracker).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+SNAPSHOT_MANIFEST = "snapshot.json"
+SNAPSHOT_DISK = "disk.img"
+
+
+class VMMError(Exception):
+    """A hypervisor operation failed; the message says which and why."""
+
+
+class VMStateError(VMMError):
+    """The operation is not allowed in the VM's current state."""
+
+
+class VMGone(VMMError):
+    """The VMM process has exited; the VM cannot be used any more."""
+
+
+class VMState(enum.StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"  # ended on request
+    CRASHED = "crashed"  # the VMM process died on its own or was killed
+
+
+@dataclass(frozen=True)
+class VMConfig:
+    """Everything needed to boot a VM. Saved with snapshots, so restores match exactly."""
+
+    vm_id: str
+    kernel: Path
+    rootfs: Path
+    initrd: Path | None = None
+    vcpus: int = 1
+    memory_mib: int = 256
+    hostname: str = "space"
+    agent_token: str = ""
+    extra_cmdline: str = ""
+    tap_device: str | None = None
+    guest_mac: str | None = None
+
+    def kernel_cmdline(self, console: str) -> str:
+        parts = [
+            f"console={console}",
+            "root=/dev/vda",
+            "rootfstype=ext4",
+            "rw",
+            "quiet",
+            "panic=-1",
+            f"space.hostname={self.hostname}",
+            f"space.token={self.agent_token}",
+        ]
+        if self.extra_cmdline:
+            parts.append(self.extra_cmdline)
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key in ("kernel", "rootfs", "initrd"):
+            if data[key] is not None:
+                data[key] = str(data[key])
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> VMConfig:
+        data = dict(data)
+        for key in ("kernel", "rootfs", "initrd"):
+            if data.get(key) is not None:
+                data[key] = Path(data[key])
+        return cls(**data)
+
+    def with_changes(self, **changes: Any) -> VMConfig:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class VMStatus:
+    state: VMState
+    pid: int | None
+    reason: str | None = None
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A snapshot directory: device and memory state, the disk as it was, and the config."""
+
+    path: Path
+    driver: str
+    config: VMConfig
+    files: dict[str, str] = field(default_factory=dict)  # role -> file name inside `path`
+    took_s: float = 0.0
+
+    def size_bytes(self) -> int:
+        """Bytes actually allocated on disk (sparse files and zero pages count as nothing)."""
+        return sum((self.path / name).stat().st_blocks * 512 for name in self.files.values())
+
+    def save(self) -> None:  # noqa: B027 - an optional hook, empty by default
+        manifest = {
+            "driver": self.driver,
+            "config": self.config.to_json(),
+            "files": self.files,
+            "took_s": self.took_s,
+        }
+        tmp = self.path / (SNAPSHOT_MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        tmp.chmod(0o600)  # holds the agent token
+        tmp.replace(self.path / SNAPSHOT_MANIFEST)
+
+    @classmethod
+    def load(cls, path: Path) -> SnapshotInfo:
+        manifest_path = path / SNAPSHOT_MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise VMMError(f"{path} is not a snapshot: {SNAPSHOT_MANIFEST} is missing") from None
+        return cls(
+            path=path,
+            driver=manifest["driver"],
+            config=VMConfig.from_json(manifest["config"]),
+            files=manifest["files"],
+            took_s=manifest.get("took_s", 0.0),
+        )
+
+
+class VM(abc.ABC):
+    """One running VM and the VMM process behind it."""
+
+    config: VMConfig
+    run_dir: Path
+
+    @property
+    def id(self) -> str:
+        return self.config.vm_id
+
+    @abc.abstractmethod
+    def status(self) -> VMStatus: ...
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop the vCPUs; memory stays, resume is immediate."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def snapshot(self, dest: Path) -> SnapshotInfo:
+        """Save memory, device state and the disk into `dest`. The VM is left paused."""
+
+    @abc.abstractmethod
+    async def stop(self, timeout: float = 5.0) -> VMStatus:
+        """End the VM (gracefully where the VMM allows, else by force) and release everything."""
+
+    @abc.abstractmethod
+    async def kill(self) -> VMStatus:
+        """End the VMM process at once and release everything."""
+
+    @abc.abstractmethod
+    async def wait(self) -> VMStatus:
+        """Wait until the VMM process exits, for whatever reason."""
+
+    @abc.abstractmethod
+    async def open_agent_stream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A fresh byte stream to the guest agent (not yet authenticated)."""
+
+    @property
+    @abc.abstractmethod
+    def console_log(self) -> Path: ...
+
+    def save(self) -> None:  # noqa: B027 - an optional hook, empty by default
+        """Persist what a restarted worker needs to adopt this VM (drivers that can adopt)."""
+
+    async def detach(self) -> None:
+        """Let go of the VM, leaving it running for another process to adopt."""
+        raise VMMError(f"{type(self).__name__} cannot hand its VM over")
+
+    def console_text(self) -> str:
+        try:
+            return self.console_log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    async def close(self) -> None:
+        """Release the VM whatever its state: kill it if still there, remove its files."""
+        if self.status().state not in (VMState.STOPPED, VMState.CRASHED):
+            await self.kill()
+
+    async def __aenter__(self) -> VM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class Driver(abc.ABC):
+    """Makes VMs with one kind of hypervisor."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def boot(self, config: VMConfig, run_dir: Path) -> VM:
+        """Cold-boot `config`; returns once the VMM process is up (not the guest)."""
+
+    @abc.abstractmethod
+    async def restore(self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path) -> VM:
+        """Start a VM from `snapshot`, with `config.rootfs` already a copy of the snapshot's disk.
+
+        `config` must match the snapshot's machine (vCPUs, memory, devices); only the identity
+        (`vm_id`, `rootfs`, network device) may differ.
+        """

@@ -1,0 +1,90 @@
+"""A VMM process, launched by us or adopted after a restart, watched through a pidfd.
+
+Every VMM runs in a session of its own (TCG guests were seen to stall in early boot when run in
+the caller's session) and outlives the process that launched it, so that a worker restart does
+not take its VMs down: a restarted worker adopts them by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+from pathlib import Path
+
+from space.worker.vmm.base import VMGone, VMMError
+
+
+class VMMProcess:
+    def __init__(self, pid: int, pidfd: int, is_child: bool) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self._is_child = is_child
+        self.returncode: int | None = None  # like Popen: negative for a signal
+        self._exited = asyncio.Event()
+        self._watching = False
+
+    @classmethod
+    def spawn(cls, argv: list[str], log_path: Path) -> VMMProcess:
+        binary = shutil.which(argv[0])
+        if binary is None:
+            raise VMMError(f"{argv[0]} not found")
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, str(log_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+        ]
+        pid = os.posix_spawn(binary, argv, dict(os.environ), file_actions=actions, setsid=True)
+        return cls(pid, os.pidfd_open(pid), is_child=True)
+
+    @classmethod
+    def adopt(cls, pid: int, expect_in_cmdline: str) -> VMMProcess:
+        """Take over a VMM an earlier worker left; `expect_in_cmdline` guards against pid reuse."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise VMGone(f"VMM process {pid} is gone") from None
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            cmdline = ""
+        if expect_in_cmdline not in cmdline:
+            os.close(pidfd)
+            raise VMGone(f"process {pid} is not this VM's VMM any more")
+        return cls(pid, pidfd, is_child=False)
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    def signal(self, signum: int) -> None:
+        """Signal the VMM's whole session (it leads it), so no helper process is left behind."""
+        if self._exited.is_set():
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    async def wait(self) -> int | None:
+        """Until the process has exited; its return code where we can know it."""
+        if not self._watching:
+            self._watching = True
+            loop = asyncio.get_running_loop()
+            loop.add_reader(self._pidfd, self._on_exit)
+        await self._exited.wait()
+        return self.returncode
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        if self._is_child:
+            with contextlib.suppress(ChildProcessError):
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = (
+                    -os.WTERMSIG(status) if os.WIFSIGNALED(status) else (os.WEXITSTATUS(status))
+                )
+        os.close(self._pidfd)
+        self._exited.set()

@@ -1,0 +1,385 @@
+"""The QEMU `-M microvm` driver: KVM where a probe boot proved it works, TCG otherwise.
+
+The VM is controlled over QMP (pause, resume, migrate-to-file for snapshots, quit); the guest
+agent is a virtio-serial port backed by a unix socket; the serial console goes to a file.
+A snapshot is QEMU's migration stream written to a file while the VM is paused, plus a
+copy-on-write clone of the disk as it was at that moment; a restore starts a fresh QEMU with the
+same machine and `-incoming` from that file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shlex
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient
+
+from space.guest.protocol import AGENT_PORT_NAME
+from space.worker.storage.reflink import clone_file
+from space.worker.vmm.base import (
+    SNAPSHOT_DISK,
+    VM,
+    Driver,
+    SnapshotInfo,
+    VMConfig,
+    VMGone,
+    VMMError,
+    VMState,
+    VMStateError,
+    VMStatus,
+)
+from space.worker.vmm.process import VMMProcess
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.bin"
+QMP_SOCKET = "qmp.sock"
+AGENT_SOCKET = "agent.sock"
+CONSOLE_LOG = "console.log"
+QEMU_LOG = "qemu.log"
+VM_FILE = "vm.json"
+SOCKET_WAIT_S = 10.0
+MIGRATE_BANDWIDTH = 8 << 30  # bytes/s; QEMU's default (32 MiB/s) would make snapshots crawl
+
+
+class QemuVM(VM):
+    def __init__(
+        self,
+        config: VMConfig,
+        run_dir: Path,
+        process: VMMProcess,
+        accel: str,
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.accel = accel
+        self._proc = process
+        self._qmp: QMPClient | None = None
+        self._state = VMState.STARTING
+        self._reason: str | None = None
+        self._ending = False  # stop/kill asked for: the exit is not a crash
+        self._exited = asyncio.Event()
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    # --- process lifetime ---------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        code = await self._proc.wait()
+        if not self._ending:
+            self._state = VMState.CRASHED
+            if code is None:
+                how = "exited"  # adopted: not our child, so its status is not ours to read
+            elif code < 0:
+                how = f"killed by signal {-code}"
+            else:
+                how = f"exited with code {code}"
+            detail = self._qemu_log_tail()
+            self._reason = f"VMM process {how}" + (f": {detail}" if detail else "")
+            log.warning("vm %s: %s", self.id, self._reason)
+        elif self._state != VMState.CRASHED:
+            self._state = VMState.STOPPED
+        self._exited.set()
+        await self._release()
+
+    def _qemu_log_tail(self) -> str:
+        try:
+            lines = (self.run_dir / QEMU_LOG).read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(lines[-3:])
+
+    async def _release(self) -> None:
+        """Remove everything this VM made; never the caller's disk."""
+        if self._qmp is not None:
+            with contextlib.suppress(Exception):
+                await self._qmp.disconnect()
+            self._qmp = None
+        for name in (QMP_SOCKET, AGENT_SOCKET, VM_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                (self.run_dir / name).unlink()
+
+    def _check_alive(self) -> None:
+        if self._exited.is_set() or not self._proc.alive:
+            raise VMGone(self._reason or f"VM {self.id} is no longer running")
+
+    async def connect_qmp(self) -> None:
+        sock = self.run_dir / QMP_SOCKET
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        while not sock.exists():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise VMMError(f"QEMU did not open its QMP socket within {SOCKET_WAIT_S}s")
+            await asyncio.sleep(0.005)
+        qmp = QMPClient(f"vm-{self.id}")
+        await qmp.connect(str(sock))
+        self._qmp = qmp
+
+    async def _execute(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
+        self._check_alive()
+        if self._qmp is None:
+            raise VMMError(f"VM {self.id}: no QMP connection")
+        try:
+            return await self._qmp.execute(cmd, args)
+        except Exception as e:
+            self._check_alive()
+            raise VMMError(f"QMP {cmd} failed: {e}") from e
+
+    async def query_status(self) -> str:
+        result = await self._execute("query-status")
+        return str(result["status"])
+
+    # --- the VM interface ---------------------------------------------------------------------
+
+    def status(self) -> VMStatus:
+        return VMStatus(
+            state=self._state,
+            pid=self._proc.pid if not self._exited.is_set() else None,
+            reason=self._reason,
+            exit_code=self._proc.returncode,
+        )
+
+    def mark_running(self) -> None:
+        if self._state == VMState.STARTING:
+            self._state = VMState.RUNNING
+        self.save()
+
+    def save(self) -> None:
+        """Record what a restarted worker needs to adopt this VM."""
+        record = {
+            "driver": "qemu",
+            "pid": self._proc.pid,
+            "accel": self.accel,
+            "config": self.config.to_json(),
+        }
+        tmp = self.run_dir / (VM_FILE + ".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.chmod(0o600)  # holds the agent token
+        tmp.replace(self.run_dir / VM_FILE)
+
+    async def pause(self) -> None:
+        if self._state == VMState.PAUSED:
+            return
+        if self._state not in (VMState.RUNNING, VMState.STARTING):
+            raise VMStateError(f"cannot pause a VM that is {self._state}")
+        await self._execute("stop")
+        self._state = VMState.PAUSED
+
+    async def resume(self) -> None:
+        if self._state in (VMState.RUNNING, VMState.STARTING):
+            return
+        if self._state != VMState.PAUSED:
+            raise VMStateError(f"cannot resume a VM that is {self._state}")
+        await self._execute("cont")
+        self._state = VMState.RUNNING
+
+    async def snapshot(self, dest: Path) -> SnapshotInfo:
+        started = time.perf_counter()
+        await self.pause()
+        dest.mkdir(parents=True, exist_ok=True)
+        state = dest / STATE_FILE
+        await self._execute("migrate-set-parameters", {"max-bandwidth": MIGRATE_BANDWIDTH})
+        await self._execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(state))}"})
+        while True:
+            info = await self._execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled"):
+                raise VMMError(f"snapshot of {self.id} failed: {info.get('error-desc', status)}")
+            await asyncio.sleep(0.005)
+        # Paused and migrated, the disk is quiescent: every completed write is in the host's page
+        # cache, which the clone reads through.
+        await asyncio.to_thread(clone_file, self.config.rootfs, dest / SNAPSHOT_DISK)
+        info = SnapshotInfo(
+            path=dest,
+            driver="qemu",
+            config=self.config,
+            files={"state": STATE_FILE, "disk": SNAPSHOT_DISK},
+            took_s=time.perf_counter() - started,
+        )
+        info.save()
+        return info
+
+    async def stop(self, timeout: float = 5.0) -> VMStatus:
+        if self._exited.is_set():
+            return self.status()
+        self._ending = True
+        with contextlib.suppress(VMMError):
+            await self._execute("quit")
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout)
+        except TimeoutError:
+            return await self.kill()
+        await self._watcher
+        return self.status()
+
+    async def kill(self) -> VMStatus:
+        if not self._exited.is_set():
+            self._ending = True
+            self._proc.kill()
+            await self._exited.wait()
+        await self._watcher
+        return self.status()
+
+    async def wait(self) -> VMStatus:
+        await self._exited.wait()
+        await self._watcher
+        return self.status()
+
+    async def open_agent_stream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        self._check_alive()
+        return await asyncio.open_unix_connection(str(self.run_dir / AGENT_SOCKET), limit=1 << 22)
+
+    @property
+    def console_log(self) -> Path:
+        return self.run_dir / CONSOLE_LOG
+
+    async def detach(self) -> None:
+        """Let go of the VM without stopping it (another process will adopt it)."""
+        self._ending = True
+        self._watcher.cancel()
+        if self._qmp is not None:
+            with contextlib.suppress(Exception):
+                await self._qmp.disconnect()
+            self._qmp = None
+
+    async def close(self) -> None:
+        await super().close()
+        await self._watcher
+        for name in (CONSOLE_LOG, QEMU_LOG):
+            with contextlib.suppress(FileNotFoundError):
+                (self.run_dir / name).unlink()
+
+
+class QemuDriver(Driver):
+    name = "qemu"
+
+    def __init__(self, binary: str = "qemu-system-x86_64", accel: str = "tcg") -> None:
+        if accel not in ("tcg", "kvm"):
+            raise ValueError(f"accel must be 'tcg' or 'kvm', not {accel!r}")
+        self.binary = binary
+        self.accel = accel
+
+    def argv(self, config: VMConfig, run_dir: Path) -> list[str]:
+        if self.accel == "kvm":
+            accel = ["-accel", "kvm", "-cpu", "max"]
+        else:
+            # A bounded translation cache keeps each TCG VM's host memory small.
+            accel = ["-accel", "tcg,tb-size=64", "-cpu", "max"]
+        argv = [
+            self.binary,
+            "-name", f"space-{config.vm_id}",
+            "-M", "microvm,isa-serial=on,rtc=on",
+            *accel,
+            "-m", str(config.memory_mib),
+            "-smp", str(config.vcpus),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-kernel", str(config.kernel),
+            "-append", config.kernel_cmdline("ttyS0"),
+            "-drive", f"id=root,file={_qemu_path(config.rootfs)},format=raw,if=none,discard=unmap",
+            "-device", "virtio-blk-device,drive=root",
+            "-device", "virtio-serial-device,max_ports=2",
+            "-chardev", f"socket,id=agent,path={run_dir / AGENT_SOCKET},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME}",
+            "-object", "rng-random,id=rng,filename=/dev/urandom",
+            "-device", "virtio-rng-device,rng=rng",
+            "-chardev", f"file,id=console,path={run_dir / CONSOLE_LOG}",
+            "-serial", "chardev:console",
+            "-qmp", f"unix:{run_dir / QMP_SOCKET},server=on,wait=off",
+        ]  # fmt: skip
+        if config.initrd is not None:
+            argv += ["-initrd", str(config.initrd)]
+        if config.tap_device:
+            mac = config.guest_mac or "02:00:00:00:00:01"
+            argv += [
+                "-netdev", f"tap,id=net0,ifname={config.tap_device},script=no,downscript=no",
+                "-device", f"virtio-net-device,netdev=net0,mac={mac}",
+            ]  # fmt: skip
+        return argv
+
+    async def _launch(self, config: VMConfig, run_dir: Path, extra: list[str]) -> QemuVM:
+        if shutil.which(self.binary) is None:
+            raise VMMError(f"{self.binary} not found: install the qemu-system-x86 package")
+        for path in (config.kernel, config.rootfs, config.initrd):
+            if path is not None and not path.exists():
+                raise VMMError(f"{path} does not exist")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in (QMP_SOCKET, AGENT_SOCKET):
+            with contextlib.suppress(FileNotFoundError):
+                (run_dir / name).unlink()
+        proc = VMMProcess.spawn([*self.argv(config, run_dir), *extra], run_dir / QEMU_LOG)
+        vm = QemuVM(config, run_dir, proc, self.accel)
+        try:
+            await vm.connect_qmp()
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    async def adopt(self, run_dir: Path) -> QemuVM:
+        """Take over a VM a previous worker process started (it is found by its run dir)."""
+        try:
+            record = json.loads((run_dir / VM_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise VMGone(f"{run_dir} holds no adoptable VM: {e}") from None
+        config = VMConfig.from_json(record["config"])
+        proc = VMMProcess.adopt(int(record["pid"]), str(run_dir / QMP_SOCKET))
+        vm = QemuVM(config, run_dir, proc, str(record.get("accel", self.accel)))
+        try:
+            await vm.connect_qmp()
+            status = await vm.query_status()
+        except BaseException:
+            await vm.detach()
+            raise
+        vm._state = VMState.PAUSED if status in ("paused", "postmigrate") else VMState.RUNNING
+        return vm
+
+    async def boot(self, config: VMConfig, run_dir: Path) -> VM:
+        vm = await self._launch(config, run_dir, [])
+        vm.mark_running()
+        return vm
+
+    async def restore(self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path) -> VM:
+        if snapshot.driver != self.name:
+            raise VMMError(f"snapshot {snapshot.path} was made by {snapshot.driver}, not qemu")
+        _check_same_machine(snapshot.config, config)
+        state = snapshot.path / snapshot.files["state"]
+        if not state.exists():
+            raise VMMError(f"snapshot {snapshot.path} has no {snapshot.files['state']}")
+        vm = await self._launch(
+            config, run_dir, ["-incoming", f"exec:cat {shlex.quote(str(state))}"]
+        )
+        # The incoming migration runs before QEMU starts the vCPUs; wait until it has.
+        while True:
+            status = await vm.query_status()
+            if status == "running":
+                break
+            if status not in ("inmigrate", "prelaunch", "restore-vm"):
+                await vm.kill()
+                raise VMMError(f"restore of {snapshot.path} ended in state {status!r}")
+            await asyncio.sleep(0.002)
+        vm.mark_running()
+        return vm
+
+
+def _check_same_machine(saved: VMConfig, new: VMConfig) -> None:
+    for field in ("vcpus", "memory_mib", "kernel", "initrd"):
+        if getattr(saved, field) != getattr(new, field):
+            raise VMMError(
+                f"cannot restore: {field} is {getattr(new, field)} but the snapshot has "
+                f"{getattr(saved, field)}"
+            )
+    if bool(saved.tap_device) != bool(new.tap_device):
+        raise VMMError("cannot restore: the snapshot's VM and this one differ in network devices")
+
+
+def _qemu_path(path: Path) -> str:
+    # QEMU's -drive splits options on commas; a doubled comma is a literal one.
+    return str(path).replace(",", ",,")
