@@ -113,7 +113,7 @@ class SnapshotInfo:
         """Bytes actually allocated on disk (sparse files and zero pages count as nothing)."""
         return sum((self.path / name).stat().st_blocks * 512 for name in self.files.values())
 
-    def save(self) -> None:  # noqa: B027 - an optional hook, empty by default
+    def save(self) -> None:
         manifest = {
             "driver": self.driver,
             "config": self.config.to_json(),

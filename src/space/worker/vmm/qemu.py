@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import shlex
@@ -267,6 +268,17 @@ class QemuDriver(Driver):
         self.binary = binary
         self.accel = accel
 
+    def _cmdline(self, config: VMConfig) -> str:
+        cmdline = config.kernel_cmdline("ttyS0")
+        if self.accel == "tcg":
+            # Under TCG on a busy host the guest's TSC calibration against the PIT fails now and
+            # then and the boot stalls with its clock stuck at 0; the emulated TSC runs at the
+            # host's rate, so tell the guest that rate instead of letting it measure.
+            khz = _host_tsc_khz()
+            if khz:
+                cmdline += f" tsc_early_khz={khz} tsc=reliable"
+        return cmdline
+
     def argv(self, config: VMConfig, run_dir: Path) -> list[str]:
         if self.accel == "kvm":
             accel = ["-accel", "kvm", "-cpu", "max"]
@@ -282,7 +294,7 @@ class QemuDriver(Driver):
             "-smp", str(config.vcpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(config.kernel),
-            "-append", config.kernel_cmdline("ttyS0"),
+            "-append", self._cmdline(config),
             "-drive", f"id=root,file={_qemu_path(config.rootfs)},format=raw,if=none,discard=unmap",
             "-device", "virtio-blk-device,drive=root",
             "-device", "virtio-serial-device,max_ports=2",
@@ -356,15 +368,22 @@ class QemuDriver(Driver):
         vm = await self._launch(
             config, run_dir, ["-incoming", f"exec:cat {shlex.quote(str(state))}"]
         )
-        # The incoming migration runs before QEMU starts the vCPUs; wait until it has.
-        while True:
-            status = await vm.query_status()
-            if status == "running":
-                break
-            if status not in ("inmigrate", "prelaunch", "restore-vm"):
-                await vm.kill()
-                raise VMMError(f"restore of {snapshot.path} ended in state {status!r}")
-            await asyncio.sleep(0.002)
+        # The incoming migration runs before QEMU starts the vCPUs. The snapshot was taken of a
+        # paused VM, so once loaded it is paused too, and we start it.
+        try:
+            while True:
+                status = await vm.query_status()
+                if status == "running":
+                    break
+                if status == "paused":
+                    await vm._execute("cont")
+                    continue
+                if status not in ("inmigrate", "prelaunch", "restore-vm"):
+                    raise VMMError(f"restore of {snapshot.path} ended in state {status!r}")
+                await asyncio.sleep(0.002)
+        except BaseException:
+            await vm.kill()
+            raise
         vm.mark_running()
         return vm
 
@@ -378,6 +397,17 @@ def _check_same_machine(saved: VMConfig, new: VMConfig) -> None:
             )
     if bool(saved.tap_device) != bool(new.tap_device):
         raise VMMError("cannot restore: the snapshot's VM and this one differ in network devices")
+
+
+@functools.cache
+def _host_tsc_khz() -> int | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return round(float(line.split(":", 1)[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _qemu_path(path: Path) -> str:

@@ -1,0 +1,30 @@
+"""The `space` command."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from space import __version__
+from space.cli.images import image
+from space.cli.vm import vm
+
+
+@click.group()
+@click.version_option(__version__, prog_name="space")
+@click.option("-v", "--verbose", is_flag=True, help="Log what happens underneath.")
+def cli(verbose: bool) -> None:
+    """SPACE: sandboxed microVMs for agents."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
+cli.add_command(vm)
+cli.add_command(image)
+
+
+def main() -> None:
+    cli()

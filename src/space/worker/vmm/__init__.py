@@ -1,0 +1,1 @@
+"""VMM drivers behind one interface (`base`): QEMU microvm (`qemu`) and Firecracker."""

@@ -1,0 +1,123 @@
+"""Pause, snapshot and restore of real VMs, and what happens when a VMM dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from space.worker.agent_client import (
+    AgentAuthError,
+    AgentClient,
+    AgentConnectionLost,
+    AgentError,
+)
+from space.worker.local import LocalRuntime
+from space.worker.machine import Machine
+from space.worker.vmm.base import SnapshotInfo, VMState
+
+from .conftest import leftovers, vmm_pids
+
+pytestmark = pytest.mark.vm
+
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
+    ">/dev/null 2>&1 & echo $!"
+)
+
+
+async def counter(m: Machine) -> int:
+    r = await m.agent.run("cat /tmp/counter 2>/dev/null || echo 0")
+    return int(r.stdout.decode().strip() or 0)
+
+
+async def counter_advances(m: Machine) -> bool:
+    before = await counter(m)
+    for _ in range(50):
+        await asyncio.sleep(0.2)
+        if await counter(m) > before:
+            return True
+    return False
+
+
+async def test_pause_resume_keeps_processes_running(machine: Machine) -> None:
+    pid = int((await machine.agent.run(COUNTER)).stdout)
+    assert await counter_advances(machine)
+    await machine.pause()
+    assert machine.status().state == VMState.PAUSED
+    await asyncio.sleep(0.5)
+    await machine.resume()
+    assert machine.status().state == VMState.RUNNING
+    assert (await machine.agent.run(["kill", "-0", str(pid)])).exit_code == 0
+    assert await counter_advances(machine)
+
+
+async def test_snapshot_restore_keeps_processes_and_files_and_renews_identity(
+    runtime: LocalRuntime, tmp_path: Path
+) -> None:
+    async with await Machine.boot(runtime.driver, runtime.pool, runtime.images) as origin:
+        pid = int((await origin.agent.run(COUNTER)).stdout)
+        await origin.agent.write_file("/root/before-snapshot", b"kept")
+        assert await counter_advances(origin)
+        snap = await origin.snapshot(runtime.pool.snapshots / f"test-{origin.id}")
+        assert snap.took_s > 0 and (snap.path / snap.files["state"]).stat().st_size > 0
+    try:
+        # A snapshot outlives its VM: restore it from the directory alone.
+        loaded = SnapshotInfo.load(snap.path)
+        restored = [await Machine.restore(runtime.driver, runtime.pool, loaded) for _ in range(2)]
+        try:
+            hostnames, randoms = set(), set()
+            for m in restored:
+                assert (await m.agent.run(["kill", "-0", str(pid)])).exit_code == 0
+                assert await counter_advances(m)
+                assert await m.agent.read_file("/root/before-snapshot") == b"kept"
+                hostnames.add((await m.agent.run(["hostname"])).stdout)
+                randoms.add((await m.agent.run("head -c 32 /dev/urandom | od -An -tx1")).stdout)
+                # The guest clock was set from ours, not left at snapshot time.
+                guest_ns = (await m.agent.info())["time_ns"]
+                assert abs(guest_ns - time.time_ns()) < 5e9
+            assert len(hostnames) == 2 and len(randoms) == 2
+            # Each clone wrote to its own disk.
+            await restored[0].agent.write_file("/root/mine", b"0")
+            with pytest.raises(AgentError) as e:
+                await restored[1].agent.read_file("/root/mine")
+            assert e.value.code == "not_found"
+        finally:
+            for m in restored:
+                await m.close()
+    finally:
+        shutil.rmtree(snap.path)
+
+
+async def test_old_token_stops_working_after_restore(runtime: LocalRuntime) -> None:
+    async with await Machine.boot(runtime.driver, runtime.pool, runtime.images) as origin:
+        snap = await origin.snapshot(runtime.pool.snapshots / f"test-{origin.id}")
+    try:
+        async with await Machine.restore(runtime.driver, runtime.pool, snap) as clone:
+            await clone.agent.close()  # the agent port takes one host connection at a time
+            with pytest.raises(AgentAuthError):
+                await AgentClient.connect(clone.vm.open_agent_stream, snap.config.agent_token, 10)
+            await clone.reconnect()  # the new token works
+            assert (await clone.agent.run(["true"])).exit_code == 0
+    finally:
+        shutil.rmtree(snap.path)
+
+
+async def test_killed_vmm_is_detected_and_nothing_leaks(runtime: LocalRuntime) -> None:
+    before = leftovers(runtime)
+    m = await Machine.boot(runtime.driver, runtime.pool, runtime.images)
+    status = m.status()
+    assert status.pid is not None and status.pid in vmm_pids()
+    os.kill(status.pid, signal.SIGKILL)
+    final = await asyncio.wait_for(m.vm.wait(), 10)
+    assert final.state == VMState.CRASHED
+    assert final.reason is not None and "killed by signal 9" in final.reason
+    with pytest.raises(AgentConnectionLost):
+        await m.agent.run(["true"])
+    await m.close()
+    assert leftovers(runtime) == before
