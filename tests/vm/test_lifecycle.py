@@ -108,6 +108,21 @@ async def test_old_token_stops_working_after_restore(runtime: LocalRuntime) -> N
         shutil.rmtree(snap.path)
 
 
+async def test_boot_token_on_the_kernel_command_line_is_dead(machine: Machine) -> None:
+    """Guest processes can read /proc/cmdline; the token there must no longer open the agent."""
+    cmdline = (await machine.agent.run(["cat", "/proc/cmdline"])).stdout.decode()
+    boot_token = next(w for w in cmdline.split() if w.startswith("space.token="))
+    boot_token = boot_token.split("=", 1)[1]
+    assert boot_token and boot_token != machine.vm.config.agent_token
+    await machine.agent.close()  # the agent port takes one host connection at a time
+    try:
+        with pytest.raises(AgentAuthError):
+            await AgentClient.connect(machine.vm.open_agent_stream, boot_token, 10)
+    finally:
+        await machine.reconnect()
+    assert (await machine.agent.run(["true"])).exit_code == 0
+
+
 async def test_killed_vmm_is_detected_and_nothing_leaks(runtime: LocalRuntime) -> None:
     before = leftovers(runtime)
     m = await Machine.boot(runtime.driver, runtime.pool, runtime.images)

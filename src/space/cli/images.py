@@ -6,8 +6,9 @@ cache hit unless --force is given. The builders' log streams to the terminal as 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
@@ -35,11 +36,16 @@ def _allocated(path: Path) -> int:
     return path.stat().st_blocks * 512
 
 
-def _streamer(started: float) -> Callable[[str], None]:
-    def log(line: str) -> None:
-        _console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] {escape(line)}")
+@contextlib.contextmanager
+def _streamer(what: str, started: float) -> Iterator[Callable[[str], None]]:
+    """A log callback that prints each line, under a spinner showing the latest one."""
+    with _console.status(what) as status:
 
-    return log
+        def log(line: str) -> None:
+            _console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] {escape(line)}")
+            status.update(f"{what}: {escape(line[:70])}")
+
+        yield log
 
 
 def _summary(title: str, rows: list[tuple[str, str]], took: float) -> None:
@@ -63,7 +69,8 @@ def kernel_cmd(force: bool) -> None:
     """Build the guest kernel (vmlinux) and initramfs with the guest agent."""
     started = time.monotonic()
     try:
-        k = ensure_kernel(log=_streamer(started), force=force)
+        with _streamer("building the guest kernel", started) as log:
+            k = ensure_kernel(log=log, force=force)
     except ImageBuildError as e:
         raise click.ClickException(str(e)) from None
     _summary(
@@ -85,7 +92,8 @@ def base_cmd(force: bool) -> None:
     """Build the `base` template: Debian bookworm minbase + python3 as an ext4 image."""
     started = time.monotonic()
     try:
-        t = ensure_base_template(log=_streamer(started), force=force)
+        with _streamer("building template base", started) as log:
+            t = ensure_base_template(log=log, force=force)
     except ImageBuildError as e:
         raise click.ClickException(str(e)) from None
     _summary(

@@ -25,8 +25,9 @@ import click
 from space.worker.agent_client import AgentClient, AgentError
 from space.worker.local import LocalRuntime, local_runtime
 from space.worker.machine import Machine
+from space.worker.storage.pool import ensure_pool
 from space.worker.vmm.base import SnapshotInfo, VMMError
-from space.worker.vmm.qemu import VM_FILE
+from space.worker.vmm.qemu import VM_FILE, QemuDriver, QemuVM
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -53,9 +54,22 @@ async def _runtime() -> LocalRuntime:
     return await local_runtime(log=_progress)
 
 
+async def _adopt(vm_id: str) -> QemuVM:
+    """A running VM by id; needs no images, so it never builds any."""
+    pool = await asyncio.to_thread(ensure_pool)
+    run_dir = pool.vms / vm_id
+    if not run_dir.is_dir():
+        raise click.ClickException(f"no VM {vm_id!r} on this host (see: space vm ls)")
+    return await QemuDriver().adopt(run_dir)
+
+
 async def _with_vm(vm_id: str, action: Callable[[Any, AgentClient], Awaitable[R]]) -> R:
-    rt = await _runtime()
-    vm, agent = await rt.adopt(vm_id)
+    vm = await _adopt(vm_id)
+    try:
+        agent = await AgentClient.connect(vm.open_agent_stream, vm.config.agent_token, 10)
+    except BaseException:
+        await vm.detach()
+        raise
     try:
         return await action(vm, agent)
     finally:
@@ -95,8 +109,8 @@ async def boot(vm_id: str | None, vcpus: int, memory: int, hostname: str | None)
 @run_async
 async def list_vms() -> None:
     """List the VMs on this host."""
-    rt = await _runtime()
-    for run_dir in sorted(rt.pool.vms.iterdir()):
+    pool = await asyncio.to_thread(ensure_pool)
+    for run_dir in sorted(pool.vms.iterdir()):
         try:
             record = json.loads((run_dir / VM_FILE).read_text())
         except (OSError, ValueError):
@@ -229,8 +243,7 @@ async def _interactive(
 @run_async
 async def pause(vm_id: str) -> None:
     """Stop a VM's vCPUs (memory stays)."""
-    rt = await _runtime()
-    v = await rt.driver.adopt(rt.pool.vms / vm_id)
+    v = await _adopt(vm_id)
     await v.pause()
     await v.detach()
 
@@ -240,8 +253,7 @@ async def pause(vm_id: str) -> None:
 @run_async
 async def resume(vm_id: str) -> None:
     """Resume a paused VM."""
-    rt = await _runtime()
-    v = await rt.driver.adopt(rt.pool.vms / vm_id)
+    v = await _adopt(vm_id)
     await v.resume()
     await v.detach()
 
@@ -284,8 +296,8 @@ async def restore(snapshot_dir: Path, vm_id: str | None, hostname: str | None) -
 @run_async
 async def console(vm_id: str) -> None:
     """Print a VM's serial console log."""
-    rt = await _runtime()
-    log_file = rt.pool.vms / vm_id / "console.log"
+    pool = await asyncio.to_thread(ensure_pool)
+    log_file = pool.vms / vm_id / "console.log"
     if not log_file.exists():
         raise click.ClickException(f"no VM {vm_id} on this host")
     click.echo(log_file.read_text(errors="replace"), nl=False)
@@ -296,13 +308,13 @@ async def console(vm_id: str) -> None:
 @run_async
 async def rm(vm_ids: tuple[str, ...]) -> None:
     """Kill VMs and remove their disks and files."""
-    rt = await _runtime()
+    pool = await asyncio.to_thread(ensure_pool)
     for vm_id in vm_ids:
-        run_dir = rt.pool.vms / vm_id
+        run_dir = pool.vms / vm_id
         if not run_dir.exists():
             raise click.ClickException(f"no VM {vm_id} on this host")
         with contextlib.suppress(VMMError):
-            v = await rt.driver.adopt(run_dir)
+            v = await QemuDriver().adopt(run_dir)
             await v.kill()
         shutil.rmtree(run_dir, ignore_errors=True)
         click.echo(f"{vm_id} removed")

@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from space.worker.agent_client import AgentClient
 from space.worker.images.debs import Log, log_to_logging
 from space.worker.images.defaults import default_images
 from space.worker.machine import BootImages
 from space.worker.storage.pool import Pool, ensure_pool
 from space.worker.vmm.accel import choose_accel
-from space.worker.vmm.qemu import QemuDriver, QemuVM
+from space.worker.vmm.qemu import QemuDriver
 
 
 @dataclass(frozen=True)
@@ -22,16 +21,6 @@ class LocalRuntime:
     pool: Pool
     images: BootImages
     driver: QemuDriver
-
-    async def adopt(self, vm_id: str) -> tuple[QemuVM, AgentClient]:
-        """A VM started by another process on this host, with an agent connection to it."""
-        vm = await self.driver.adopt(self.pool.vms / vm_id)
-        try:
-            agent = await AgentClient.connect(vm.open_agent_stream, vm.config.agent_token, 10)
-        except BaseException:
-            await vm.detach()
-            raise
-        return vm, agent
 
 
 async def local_runtime(log: Log = log_to_logging) -> LocalRuntime:

@@ -106,6 +106,17 @@ class Machine:
             raise
         t2 = time.perf_counter()
         agent = await _connect_agent(vm, config.agent_token, boot_timeout)
+        # The boot token sits in /proc/cmdline for every guest process to read; replace it
+        # before any of them runs.
+        try:
+            token = new_token()
+            await agent.call("identity", token=token)
+        except BaseException:
+            await agent.close()
+            await _discard(vm)
+            raise
+        vm.config = vm.config.with_changes(agent_token=token)
+        vm.save()
         t3 = time.perf_counter()
         return cls(vm, agent, {"disk": t1 - t0, "vmm": t2 - t1, "agent": t3 - t2})
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -167,7 +168,7 @@ def _stage1(log: Log, force: bool, mirrors: list[str]) -> Path:
         str(tmp),
         *mirrors,
     ]
-    log("$ " + " ".join(cmd))
+    log("$ " + shlex.join(cmd))
     started = time.monotonic()
     try:
         debs.run_streamed(cmd, log, what="mmdebstrap")

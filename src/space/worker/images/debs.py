@@ -88,11 +88,20 @@ def run_streamed(
         raise ImageBuildError(f"{argv[0]} is not installed (needed for {name})") from None
     assert proc.stdout is not None
     with proc:
-        for raw in proc.stdout:
-            line = raw.rstrip()
-            if line:
-                tail.append(line)
-                log(prefix + line)
+        try:
+            for raw in proc.stdout:
+                line = raw.rstrip()
+                if line:
+                    tail.append(line)
+                    log(prefix + line)
+        except BaseException:
+            # Interrupted (or the log callback failed): do not leave e.g. mmdebstrap running.
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
         rc = proc.wait()
     if rc != 0:
         last = "\n  ".join(tail) if tail else "(no output)"
@@ -295,13 +304,14 @@ def resolve(names: Iterable[str]) -> dict[str, DebPackage]:
     memo_path = debs_dir() / "candidates.json"
     state = _apt_state()
     memo: dict[str, dict[str, str]] = {}
+    result: dict[str, DebPackage] = {}
     try:
         data = json.loads(memo_path.read_text())
         if data.get("apt_state") == state:
-            memo = data.get("packages", {})
-    except (OSError, ValueError, AttributeError):
-        pass
-    result = {n: DebPackage(**memo[n]) for n in wanted if n in memo}
+            memo = data["packages"]
+            result = {n: DebPackage(**memo[n]) for n in wanted if n in memo}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        memo, result = {}, {}  # missing or unreadable: ask apt
     todo = [n for n in wanted if n not in result]
     if todo:
         result.update(_apt_candidates(todo))
