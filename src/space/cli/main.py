@@ -8,6 +8,7 @@ import click
 
 from space import __version__
 from space.cli.images import image
+from space.cli.services import api, controller, up, worker
 from space.cli.vm import vm
 
 
@@ -24,7 +25,13 @@ def cli(verbose: bool) -> None:
 
 cli.add_command(vm)
 cli.add_command(image)
+for command in (up, api, controller, worker):
+    cli.add_command(command)
 
 
 def main() -> None:
     cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The public HTTP API: authentication, validation, intent into PostgreSQL, streams to workers."""

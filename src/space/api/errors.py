@@ -1,0 +1,80 @@
+"""Errors as `application/problem+json`: every 4xx says what was wrong; nothing leaks a trace."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from space.db.store import Conflict, NotFound
+from space.worker.client import WorkerError
+
+log = logging.getLogger(__name__)
+
+PROBLEM = "application/problem+json"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.extra = extra
+
+
+def problem(status: int, detail: str, **extra: Any) -> JSONResponse:
+    body = {
+        "type": "about:blank",
+        "title": HTTPStatus(status).phrase,
+        "status": status,
+        "detail": detail,
+        **{k: v for k, v in extra.items() if v is not None},
+    }
+    return JSONResponse(body, status_code=status, media_type=PROBLEM)
+
+
+def worker_status(e: WorkerError) -> int:
+    """A worker's answer as ours: its 4xx are the client's problem, the rest is a bad gateway."""
+    if e.status in (400, 403, 404, 409, 413, 507):
+        return e.status
+    return 502
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return problem(e.status, e.detail, **e.extra)
+
+    @app.exception_handler(NotFound)
+    async def not_found(_: Request, e: NotFound) -> JSONResponse:
+        return problem(404, f"no sandbox {e}")
+
+    @app.exception_handler(Conflict)
+    async def conflict(_: Request, e: Conflict) -> JSONResponse:
+        return problem(409, str(e), state=e.state)
+
+    @app.exception_handler(WorkerError)
+    async def worker_error(_: Request, e: WorkerError) -> JSONResponse:
+        return problem(worker_status(e), e.detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"loc": list(err.get("loc", ())), "msg": str(err.get("msg", ""))} for err in e.errors()
+        ]
+        detail = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors)
+        return problem(422, detail or "invalid request", errors=errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return problem(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return problem(500, "internal error; it has been logged")

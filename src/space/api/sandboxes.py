@@ -1,0 +1,160 @@
+"""Sandbox lifecycle routes: intent goes into the database; the controller carries it out."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import secrets
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request, Response
+
+from space.api.deps import Caller, Svc
+from space.api.errors import APIError
+from space.api.schemas import (
+    Event,
+    EventList,
+    Sandbox,
+    SandboxCreate,
+    SandboxList,
+    TimeoutUpdate,
+)
+from space.db.store import Row
+
+router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+
+WAIT_S = 300.0
+SETTLED = {"running", "paused", "suspended", "deleted", "error"}
+
+Wait = Annotated[bool, Query(description="answer once the operation has finished")]
+
+
+def _settled(row: Row) -> bool:
+    return row["state"] in SETTLED and (
+        row["state"] == row["desired_state"] or row["state"] in ("error", "deleted")
+    )
+
+
+def _cursor(row: Row) -> str:
+    raw = json.dumps([row["created_at"].isoformat(), row["id"]]).encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def _parse_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        created, sid = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        return datetime.fromisoformat(created), str(sid)
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+        raise APIError(
+            400, "invalid cursor: pass back the next_cursor of a previous page"
+        ) from None
+
+
+@router.post("", status_code=201, response_model=Sandbox)
+async def create_sandbox(
+    body: SandboxCreate,
+    svc: Svc,
+    caller: Caller,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    wait: Wait = True,
+) -> Sandbox:
+    if not await svc.store.template_exists(body.template):
+        raise APIError(404, f"no template {body.template!r}")
+    values = body.model_dump()
+    values["id"] = body.id or f"sb-{secrets.token_hex(8)}"
+    values["idempotency_key"] = idempotency_key
+    row, created = await svc.store.create_sandbox(caller.id, values)
+    if not created:
+        response.status_code = 200
+    if wait:
+        row = await svc.wait_for(row["id"], _settled, WAIT_S)
+    elif created:
+        response.status_code = 202
+    return Sandbox.from_row(row)
+
+
+@router.get("/{sandbox_id}", response_model=Sandbox)
+async def get_sandbox(sandbox_id: str, svc: Svc, caller: Caller) -> Sandbox:
+    return Sandbox.from_row(await svc.store.get_sandbox(sandbox_id, caller.id))
+
+
+@router.get("", response_model=SandboxList)
+async def list_sandboxes(
+    request: Request,
+    svc: Svc,
+    caller: Caller,
+    state: str | None = None,
+    template: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: str | None = None,
+) -> SandboxList:
+    metadata = {
+        k[len("metadata.") :]: v
+        for k, v in request.query_params.items()
+        if k.startswith("metadata.") and len(k) > len("metadata.")
+    }
+    rows = await svc.store.list_sandboxes(
+        caller.id,
+        state=state,
+        template=template,
+        metadata=metadata or None,
+        limit=limit + 1,
+        after=_parse_cursor(cursor) if cursor else None,
+    )
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return SandboxList(
+        items=[Sandbox.from_row(r) for r in rows],
+        next_cursor=_cursor(rows[-1]) if more else None,
+    )
+
+
+async def _change(
+    svc: Svc, caller: Caller, sandbox_id: str, desired: str, allowed: tuple[str, ...],
+    verb: str, wait: bool,
+) -> Sandbox:  # fmt: skip
+    row = await svc.store.request(caller.id, sandbox_id, desired, allowed, verb)
+    if wait:
+        row = await svc.wait_for(sandbox_id, _settled, WAIT_S)
+    return Sandbox.from_row(row)
+
+
+@router.delete("/{sandbox_id}", response_model=Sandbox)
+async def delete_sandbox(sandbox_id: str, svc: Svc, caller: Caller, wait: Wait = True) -> Sandbox:
+    allowed = ("pending", "starting", "running", "pausing", "paused", "resuming", "suspending",
+               "suspended", "error", "deleting")  # fmt: skip
+    return await _change(svc, caller, sandbox_id, "deleted", allowed, "delete", wait)
+
+
+@router.post("/{sandbox_id}/pause", response_model=Sandbox)
+async def pause_sandbox(sandbox_id: str, svc: Svc, caller: Caller, wait: Wait = True) -> Sandbox:
+    return await _change(svc, caller, sandbox_id, "paused", ("running",), "pause", wait)
+
+
+@router.post("/{sandbox_id}/resume", response_model=Sandbox)
+async def resume_sandbox(sandbox_id: str, svc: Svc, caller: Caller, wait: Wait = True) -> Sandbox:
+    return await _change(
+        svc, caller, sandbox_id, "running", ("paused", "suspended"), "resume", wait
+    )
+
+
+@router.post("/{sandbox_id}/suspend", response_model=Sandbox)
+async def suspend_sandbox(sandbox_id: str, svc: Svc, caller: Caller, wait: Wait = True) -> Sandbox:
+    return await _change(
+        svc, caller, sandbox_id, "suspended", ("running", "paused"), "suspend", wait
+    )
+
+
+@router.put("/{sandbox_id}/timeout", response_model=Sandbox)
+async def set_timeout(sandbox_id: str, body: TimeoutUpdate, svc: Svc, caller: Caller) -> Sandbox:
+    return Sandbox.from_row(await svc.store.set_timeout(caller.id, sandbox_id, body.timeout_s))
+
+
+@router.get("/{sandbox_id}/events", response_model=EventList)
+async def sandbox_events(sandbox_id: str, svc: Svc, caller: Caller) -> EventList:
+    await svc.store.get_sandbox(sandbox_id, caller.id)  # 404 for others' sandboxes
+    rows = await svc.store.events(caller.id, sandbox_id)
+    return EventList(items=[Event.model_validate(dict(r)) for r in rows])

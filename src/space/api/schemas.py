@@ -1,0 +1,158 @@
+"""What the public API accepts and answers (pydantic models; they make the OpenAPI document)."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ID_PATTERN = r"^[a-z0-9][a-z0-9-]{2,39}$"
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MAX_ENTRIES = 64
+
+TimeoutAction = Literal["pause", "suspend", "delete"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_env(env: dict[str, str]) -> dict[str, str]:
+    if len(env) > MAX_ENTRIES:
+        raise ValueError(f"at most {MAX_ENTRIES} variables")
+    for name, value in env.items():
+        if not ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not a valid variable name")
+        if "\0" in value or len(value) > 32768:
+            raise ValueError(f"the value of {name} has a NUL byte or is over 32 KiB")
+    return env
+
+
+class SandboxCreate(Strict):
+    template: str = Field("base", min_length=1, max_length=64)
+    vcpus: int = Field(1, ge=1, le=16)
+    memory_mib: int = Field(256, ge=128, le=16384)
+    disk_mib: int = Field(1024, ge=256, le=262144)
+    timeout_s: int = Field(300, ge=1, le=7 * 24 * 3600)
+    timeout_action: TimeoutAction = "pause"
+    env: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=512)]] = (
+        Field(default_factory=dict)
+    )
+    id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
+
+    @field_validator("env")
+    @classmethod
+    def env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        return _check_env(env)
+
+    @field_validator("metadata")
+    @classmethod
+    def few_metadata(cls, md: dict[str, str]) -> dict[str, str]:
+        if len(md) > MAX_ENTRIES:
+            raise ValueError(f"at most {MAX_ENTRIES} metadata entries")
+        return md
+
+
+class Sandbox(BaseModel):
+    id: str
+    state: str
+    desired_state: str
+    reason: str | None
+    template: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    timeout_s: int
+    timeout_action: str
+    expires_at: datetime | None
+    env: dict[str, str]
+    metadata: dict[str, str]
+    worker_id: str | None
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Any) -> Sandbox:
+        return cls.model_validate({k: row[k] for k in cls.model_fields})
+
+
+class SandboxList(BaseModel):
+    items: list[Sandbox]
+    next_cursor: str | None
+
+
+class TimeoutUpdate(Strict):
+    timeout_s: int = Field(ge=1, le=7 * 24 * 3600)
+
+
+class ExecRequest(Strict):
+    cmd: str | None = Field(None, min_length=1, max_length=131072)
+    argv: list[Annotated[str, Field(max_length=131072)]] | None = Field(
+        None, min_length=1, max_length=4096
+    )
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = Field(None, pattern=r"^/", max_length=4096)
+    user: str | None = Field(None, min_length=1, max_length=64)
+    timeout: float | None = Field(None, gt=0, le=86400)
+    stdin: str | None = Field(None, description="base64", max_length=64 << 20)
+    pty: bool = False
+    rows: int = Field(24, ge=1, le=1000)
+    cols: int = Field(80, ge=1, le=1000)
+
+    @field_validator("env")
+    @classmethod
+    def env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        return _check_env(env)
+
+    @model_validator(mode="after")
+    def one_command(self) -> ExecRequest:
+        if (self.cmd is None) == (self.argv is None):
+            raise ValueError("give exactly one of 'cmd' (a shell command) or 'argv' (a list)")
+        if any("\0" in a for a in self.argv or [self.cmd or ""]):
+            raise ValueError("the command contains a NUL byte")
+        return self
+
+
+class Event(BaseModel):
+    id: int
+    at: datetime
+    type: str
+    from_state: str | None
+    to_state: str | None
+    reason: str | None
+
+
+class EventList(BaseModel):
+    items: list[Event]
+
+
+class FileEntry(BaseModel):
+    name: str
+    path: str
+    type: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime: float
+    target: str | None = None
+
+
+class FileList(BaseModel):
+    entries: list[FileEntry]
+
+
+class WriteResult(BaseModel):
+    size: int
+
+
+class Problem(BaseModel):
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str
+    state: str | None = None
+    errors: list[dict[str, Any]] | None = None

@@ -1,0 +1,186 @@
+"""`space api`, `space controller`, `space worker` (one process each) and `space up` (all of them).
+
+`space up` is the one-machine deployment: embedded PostgreSQL, the images, then the three
+services as child processes; it prints the URL and an API key and stays in the foreground.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import httpx
+
+from space import config
+from space.db import embedded, migrate
+from space.db.store import Store, connect
+
+log = logging.getLogger(__name__)
+
+
+def _database_url() -> str:
+    return embedded.database_url()
+
+
+@click.command()
+@click.option("--host", default=lambda: config.api_address()[0], show_default="127.0.0.1")
+@click.option("--port", type=int, default=lambda: config.api_address()[1], show_default="8080")
+def api(host: str, port: int) -> None:
+    """Run the HTTP API server."""
+    from space.api.app import serve
+
+    asyncio.run(serve(_database_url(), config.worker_secret(), host, port))
+
+
+@click.command()
+def controller() -> None:
+    """Run a controller replica (one leads; the others stand by)."""
+    from space.controller.main import run
+
+    asyncio.run(run(_database_url(), config.worker_secret()))
+
+
+@click.command()
+@click.option("--id", "worker_id", default=lambda: os.uname().nodename, show_default="hostname")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=int, default=8091, show_default=True)
+@click.option(
+    "--url", help="how the API and controller reach this worker (default from --host/--port)"
+)
+def worker(worker_id: str, host: str, port: int, url: str | None) -> None:
+    """Run the worker service of this host."""
+    from space.worker.main import run
+
+    asyncio.run(
+        run(
+            _database_url(),
+            config.worker_secret(),
+            worker_id=worker_id,
+            host=host,
+            port=port,
+            url=url or f"http://{host}:{port}",
+        )
+    )
+
+
+def credentials_file() -> Path:
+    return (
+        Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config"))
+        / "space"
+        / "credentials.json"
+    )
+
+
+async def _bootstrap(url: str, api_url: str) -> str:
+    """Schema, the `base` template, the default tenant and an API key (reused if still valid)."""
+    store = Store(connect(url))
+    try:
+        await migrate.upgrade(store.engine)
+        await store.ensure_template("base")
+        creds = credentials_file()
+        try:
+            saved = json.loads(creds.read_text())
+            if await store.authenticate(saved.get("api_key", "")) is not None:
+                saved["api_url"] = api_url
+                creds.write_text(json.dumps(saved, indent=2))
+                return str(saved["api_key"])
+        except (OSError, ValueError):
+            pass
+        tenant = await store.create_tenant("default")
+        key = await store.create_api_key(tenant.id, "space up")
+        creds.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(creds, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"api_url": api_url, "api_key": key}, f, indent=2)
+        return key
+    finally:
+        await store.close()
+
+
+def _name(p: subprocess.Popen[bytes]) -> str:
+    args = p.args if isinstance(p.args, list) else [p.args]
+    return " ".join(str(a) for a in args[2:])
+
+
+def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise click.ClickException(f"{_name(p)} exited with {p.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise click.ClickException(f"{url} did not answer within {timeout:.0f}s")
+
+
+@click.command()
+@click.option("--port", type=int, default=8080, show_default=True, help="API port")
+@click.option("--worker-port", type=int, default=8091, show_default=True)
+def up(port: int, worker_port: int) -> None:
+    """Bring the whole platform up on this machine and print how to use it."""
+    from space.cli.images import base_cmd, kernel_cmd
+
+    if os.geteuid() != 0:
+        raise click.ClickException("space up needs root (VMs, loop devices, network namespaces)")
+    ctx = click.get_current_context()
+    ctx.invoke(kernel_cmd, force=False)
+    ctx.invoke(base_cmd, force=False)
+    click.secho("space up: database", bold=True, err=True)
+    db_url = _database_url()
+    api_url = f"http://127.0.0.1:{port}"
+    key = asyncio.run(_bootstrap(db_url, api_url))
+    space = [sys.executable, "-m", "space.cli.main"]
+    env = {**os.environ, "SPACE_DATABASE_URL": db_url}
+    procs = [
+        subprocess.Popen([*space, "worker", "--port", str(worker_port)], env=env),
+        subprocess.Popen([*space, "controller"], env=env),
+        subprocess.Popen([*space, "api", "--port", str(port)], env=env),
+    ]
+
+    def stop(*_: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    _wait_healthy(f"{api_url}/healthz", procs)
+    click.echo(
+        f"""
+SPACE is up.
+  API:      {api_url}   (OpenAPI: {api_url}/docs)
+  API key:  {key}
+  saved in  {credentials_file()}  (the CLI and SDK read it)
+
+  space sandbox create            # prints a sandbox id
+  space exec <id> -- uname -a
+  space shell <id>
+  python3 -c 'import space; sb = space.Sandbox.create(); print(sb.exec("uname -r").text)'
+
+Ctrl-C stops the services; running VMs are re-adopted by the next `space up`.
+"""
+    )
+    while True:
+        for p in procs:
+            if p.poll() is not None:
+                click.echo(f"{_name(p)} exited with {p.returncode}; stopping", err=True)
+                stop()
+        time.sleep(1)

@@ -1,0 +1,284 @@
+"""The asynchronous SDK: `AsyncSpace` (a connection to the API) and `AsyncSandbox` (one
+sandbox), over httpx.AsyncClient. Requests and answers come from `_calls`; this module only
+sends them."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from typing import TypeVar, Unpack
+
+import httpx
+
+from space.client import _calls as calls
+from space.client._calls import Call, CreateOptions, ExecOptions, Upload
+from space.client._config import resolve_credentials
+from space.client._errors import NotFoundError, error_from_response, transport_errors
+from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
+from space.client._models import Event, ExecResult, FileEntry, SandboxInfo
+
+T = TypeVar("T")
+
+AsyncUpload = Upload | AsyncIterable[bytes]
+
+
+async def _raise_for_error(response: httpx.Response) -> None:
+    if response.is_error:
+        await response.aread()
+        raise error_from_response(response)
+
+
+class AsyncSpace:
+    """A connection to a SPACE API server.
+
+    `base_url` and `api_key` default to SPACE_API_URL and SPACE_API_KEY, then to the credentials
+    file that `space up` writes. Close it (`aclose()` or `async with`) to release its connections.
+    """
+
+    def __init__(
+        self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 120.0
+    ) -> None:
+        credentials = resolve_credentials(base_url, api_key)
+        self._http = httpx.AsyncClient(
+            **calls.client_options(credentials, timeout),
+            event_hooks={"response": [_raise_for_error]},
+        )
+
+    @property
+    def base_url(self) -> str:
+        return str(self._http.base_url)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncSpace:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(self, call: Call[T], content: bytes | AsyncIterable[bytes] | None = None) -> T:
+        with transport_errors(self.base_url):
+            return call.answer(await self._http.send(call.request(self._http, content)))
+
+    async def _stream(self, call: Call[T]) -> AsyncGenerator[bytes]:
+        with transport_errors(self.base_url):
+            response = await self._http.send(call.request(self._http), stream=True)
+            try:
+                async for chunk in response.aiter_bytes():
+                    yield chunk
+            finally:
+                await response.aclose()
+
+
+# An httpx.AsyncClient's connections belong to the event loop that opened them, so sandboxes
+# made without a client share one per loop.
+_defaults: dict[asyncio.AbstractEventLoop, AsyncSpace] = {}
+
+
+def _default_client() -> AsyncSpace:
+    """The client of sandboxes made without one, configured from the environment."""
+    for loop in [loop for loop in _defaults if loop.is_closed()]:
+        del _defaults[loop]
+    loop = asyncio.get_running_loop()
+    if loop not in _defaults:
+        _defaults[loop] = AsyncSpace()
+    return _defaults[loop]
+
+
+async def _async_chunks(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
+    """A blocking iterable (a local file, say) read off the event loop."""
+    iterator = iter(chunks)
+    while (chunk := await asyncio.to_thread(next, iterator, None)) is not None:
+        yield chunk
+
+
+def _async_content(data: AsyncUpload) -> bytes | AsyncIterable[bytes]:
+    if isinstance(data, AsyncIterable):
+        return data
+    content = calls.upload_content(data)
+    return content if isinstance(content, bytes) else _async_chunks(content)
+
+
+class AsyncExecStream(ExecStreamBase):
+    """A running command: `async for` it for `("stdout" | "stderr", bytes)` as the output
+    comes, then read `result`. `aclose()` (or leaving its `async with` block) stops reading."""
+
+    def __init__(self, client: AsyncSpace, call: Call[None]) -> None:
+        super().__init__()
+        self._output = self._read(client, call)
+
+    async def _read(self, client: AsyncSpace, call: Call[None]) -> AsyncGenerator[Output]:
+        async with contextlib.aclosing(client._stream(call)) as chunks:
+            async for chunk in chunks:
+                for item in self._decoder.feed(chunk):
+                    yield item
+                if self.finished:
+                    return
+        for item in self._decoder.end():
+            yield item
+
+    def __aiter__(self) -> AsyncExecStream:
+        return self
+
+    async def __anext__(self) -> Output:
+        return await anext(self._output)
+
+    async def aclose(self) -> None:
+        await self._output.aclose()
+
+    async def __aenter__(self) -> AsyncExecStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class AsyncFiles:
+    """The files of one sandbox (`sandbox.files`). Paths are absolute paths inside it."""
+
+    def __init__(self, client: AsyncSpace, sandbox_id: str) -> None:
+        self._client = client
+        self._id = sandbox_id
+
+    async def read(self, path: str) -> bytes:
+        return await self._client._call(calls.read_file(self._id, path))
+
+    def iter(self, path: str) -> AsyncIterator[bytes]:
+        """The file's contents in chunks, as they arrive."""
+        return self._client._stream(calls.read_file(self._id, path))
+
+    async def write(
+        self, path: str, data: AsyncUpload, *, mode: int | None = None, make_parents: bool = False
+    ) -> int:
+        """Writes bytes, text (UTF-8), a binary file object or an (async) iterable of bytes to
+        `path`, streamed; the file appears whole or not at all. Answers the size written."""
+        call = calls.write_file(self._id, path, mode, make_parents)
+        return await self._client._call(call, _async_content(data))
+
+    async def list(self, path: str) -> builtins.list[FileEntry]:
+        return await self._client._call(calls.list_files(self._id, path))
+
+    async def stat(self, path: str) -> FileEntry:
+        return await self._client._call(calls.stat(self._id, path))
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._client._call(calls.remove(self._id, path, recursive))
+
+    async def mkdir(self, path: str, *, parents: bool = False) -> FileEntry:
+        return await self._client._call(calls.mkdir(self._id, path, parents))
+
+
+class AsyncSandbox:
+    """One sandbox. Make one with `create`, find them with `get` and `list`; `async with`
+    deletes it at the end of the block. `info` is the API's latest description of it."""
+
+    def __init__(self, client: AsyncSpace, info: SandboxInfo) -> None:
+        self.info = info
+        self.files = AsyncFiles(client, info.id)
+        self._client = client
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def state(self) -> str:
+        return self.info.state
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(id={self.id!r}, state={self.state!r})"
+
+    @classmethod
+    async def create(
+        cls, *, client: AsyncSpace | None = None, **options: Unpack[CreateOptions]
+    ) -> AsyncSandbox:
+        """A new sandbox, answered once it is running (unless `wait=False`)."""
+        client = client or _default_client()
+        return cls(client, await client._call(calls.create(options)))
+
+    @classmethod
+    async def get(cls, sandbox_id: str, *, client: AsyncSpace | None = None) -> AsyncSandbox:
+        client = client or _default_client()
+        return cls(client, await client._call(calls.get(sandbox_id)))
+
+    @classmethod
+    async def list(
+        cls,
+        *,
+        state: str | None = None,
+        template: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        client: AsyncSpace | None = None,
+    ) -> AsyncIterator[AsyncSandbox]:
+        """Every sandbox that matches, newest first, fetched page by page as iteration goes."""
+        client = client or _default_client()
+        pages = calls.Pages(state, template, metadata)
+        while (call := pages.next_call()) is not None:
+            for info in await client._call(call):
+                yield cls(client, info)
+
+    async def _update(self, call: Call[SandboxInfo]) -> SandboxInfo:
+        self.info = await self._client._call(call)
+        return self.info
+
+    async def refresh(self) -> SandboxInfo:
+        return await self._update(calls.get(self.id))
+
+    async def pause(self) -> SandboxInfo:
+        return await self._update(calls.lifecycle(self.id, "pause"))
+
+    async def resume(self) -> SandboxInfo:
+        return await self._update(calls.lifecycle(self.id, "resume"))
+
+    async def suspend(self) -> SandboxInfo:
+        return await self._update(calls.lifecycle(self.id, "suspend"))
+
+    async def delete(self) -> SandboxInfo:
+        return await self._update(calls.delete(self.id))
+
+    async def set_timeout(self, timeout_s: int) -> SandboxInfo:
+        """Moves the deadline to now + `timeout_s`."""
+        return await self._update(calls.set_timeout(self.id, timeout_s))
+
+    async def events(self) -> builtins.list[Event]:
+        return await self._client._call(calls.events(self.id))
+
+    def exec_stream(
+        self, command: str | Sequence[str], **options: Unpack[ExecOptions]
+    ) -> AsyncExecStream:
+        """Runs `command` (a string goes through `/bin/sh -c`, a sequence is the argv) and
+        streams its output; see `AsyncExecStream`."""
+        return AsyncExecStream(self._client, calls.exec_(self.id, command, options))
+
+    async def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        **options: Unpack[ExecOptions],
+    ) -> ExecResult:
+        """Runs `command` to its end; the result holds its whole output, which is also passed
+        to the callbacks piece by piece as it comes."""
+        collector = OutputCollector(on_stdout, on_stderr)
+        async with self.exec_stream(command, **options) as stream:
+            async for name, data in stream:
+                collector.add(name, data)
+        return collector.result(stream.result)
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with contextlib.suppress(NotFoundError):
+            await self.delete()

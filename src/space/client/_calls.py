@@ -1,0 +1,328 @@
+"""The HTTP API's calls as plain data, shared by the sync and the async client.
+
+Each function here returns a `Call`: the request to make and how to read its answer. A client
+only sends it, over httpx.Client or httpx.AsyncClient; so paths, query parameters, bodies and the
+parsing of answers are written once, here, for both.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, runtime_checkable
+from urllib.parse import quote
+
+import httpx
+
+from space import __version__
+from space.client._config import Credentials
+from space.client._errors import SpaceError
+from space.client._models import Event, FileEntry, SandboxInfo
+
+T = TypeVar("T")
+
+SANDBOXES = "/v1/sandboxes"
+DEFAULT_TIMEOUT = 120.0  # create and resume wait for the VM, which can take a while
+CHUNK_SIZE = 1 << 20
+
+
+class CreateOptions(TypedDict, total=False):
+    """What `create` accepts; anything left out (or None) gets the server's default."""
+
+    template: str | None
+    vcpus: int | None
+    memory_mib: int | None
+    disk_mib: int | None
+    timeout_s: int | None
+    timeout_action: Literal["pause", "suspend", "delete"] | None
+    env: Mapping[str, str] | None
+    metadata: Mapping[str, str] | None
+    id: str | None  # a client-chosen id: creating it again answers the same sandbox
+    idempotency_key: str | None
+    wait: bool | None  # False: answer at once, before the sandbox is running
+
+
+class ExecOptions(TypedDict, total=False):
+    """How to run a command; anything left out (or None) gets the sandbox's default."""
+
+    env: Mapping[str, str] | None
+    cwd: str | None
+    user: str | None
+    timeout: float | None  # seconds, then the process is killed
+    stdin: bytes | str | None  # fed to the process, then closed
+
+
+@runtime_checkable
+class Readable(Protocol):
+    """A binary file object (anything with `read(size) -> bytes`)."""
+
+    def read(self, size: int, /) -> bytes: ...
+
+
+Upload = bytes | str | Readable | Iterable[bytes]
+
+
+def client_options(credentials: Credentials, timeout: float) -> dict[str, Any]:
+    """Keyword arguments for httpx.Client or httpx.AsyncClient."""
+    return {
+        "base_url": credentials.api_url,
+        "headers": {
+            "Authorization": f"Bearer {credentials.api_key}",
+            "User-Agent": f"space-python/{__version__}",
+        },
+        "timeout": httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+    }
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One API request and how to read its answer."""
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], T]
+    params: Sequence[tuple[str, str]] = ()
+    body: Mapping[str, Any] | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    # Exec and file transfers last as long as the work does: no read timeout for them.
+    unbounded: bool = False
+
+    def request(
+        self,
+        client: httpx.Client | httpx.AsyncClient,
+        content: bytes | Iterable[bytes] | AsyncIterable[bytes] | None = None,
+    ) -> httpx.Request:
+        timeout = client.timeout
+        if self.unbounded:
+            timeout = httpx.Timeout(
+                connect=timeout.connect, read=None, write=timeout.write, pool=timeout.pool
+            )
+        return client.build_request(
+            self.method,
+            self.path,
+            params=list(self.params),
+            json=self.body,
+            headers=dict(self.headers),
+            content=content,
+            timeout=timeout,
+        )
+
+    def answer(self, response: httpx.Response) -> T:
+        try:
+            return self.parse(response)
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpaceError(
+                f"unexpected answer to {self.method} {self.path} (is {response.url.host} "
+                f"a SPACE API of this version?): {e!r}"
+            ) from e
+
+
+def _json(build: Callable[[Any], T]) -> Callable[[httpx.Response], T]:
+    return lambda response: build(response.json())
+
+
+def _nothing(_: httpx.Response) -> None:
+    return None
+
+
+def _sandbox(sandbox_id: str, tail: str = "") -> str:
+    return f"{SANDBOXES}/{quote(sandbox_id, safe='')}{tail}"
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+# Sandboxes
+
+
+def create(options: CreateOptions) -> Call[SandboxInfo]:
+    given = {k: v for k, v in options.items() if v is not None}
+    key = given.pop("idempotency_key", None)
+    headers = {"Idempotency-Key": str(key)} if key else {}
+    wait = bool(given.pop("wait", True))
+    body = {k: dict(v) if isinstance(v, Mapping) else v for k, v in given.items()}
+    return Call(
+        "POST",
+        SANDBOXES,
+        _json(SandboxInfo.from_json),
+        params=[("wait", _flag(wait))],
+        body=body,
+        headers=headers,
+    )
+
+
+def get(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call("GET", _sandbox(sandbox_id), _json(SandboxInfo.from_json))
+
+
+def lifecycle(sandbox_id: str, action: Literal["pause", "resume", "suspend"]) -> Call[SandboxInfo]:
+    return Call(
+        "POST",
+        _sandbox(sandbox_id, f"/{action}"),
+        _json(SandboxInfo.from_json),
+        params=[("wait", "true")],
+    )
+
+
+def delete(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call(
+        "DELETE", _sandbox(sandbox_id), _json(SandboxInfo.from_json), params=[("wait", "true")]
+    )
+
+
+def set_timeout(sandbox_id: str, timeout_s: int) -> Call[SandboxInfo]:
+    return Call(
+        "PUT",
+        _sandbox(sandbox_id, "/timeout"),
+        _json(SandboxInfo.from_json),
+        body={"timeout_s": timeout_s},
+    )
+
+
+def events(sandbox_id: str) -> Call[list[Event]]:
+    return Call(
+        "GET",
+        _sandbox(sandbox_id, "/events"),
+        _json(lambda data: [Event.from_json(item) for item in data["items"]]),
+    )
+
+
+class Pages:
+    """The listing, page by page: send `next_call()` until it is None."""
+
+    def __init__(
+        self,
+        state: str | None = None,
+        template: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        limit: int = 100,
+    ) -> None:
+        self._params = [("limit", str(limit))]
+        self._params += [(name, v) for name, v in (("state", state), ("template", template)) if v]
+        self._params += [(f"metadata.{k}", v) for k, v in (metadata or {}).items()]
+        self._cursor: str | None = None
+        self._done = False
+
+    def next_call(self) -> Call[list[SandboxInfo]] | None:
+        if self._done:
+            return None
+        cursor = [("cursor", self._cursor)] if self._cursor else []
+        return Call("GET", SANDBOXES, _json(self._take), params=self._params + cursor)
+
+    def _take(self, data: Any) -> list[SandboxInfo]:
+        items = [SandboxInfo.from_json(item) for item in data["items"]]
+        self._cursor = data.get("next_cursor")
+        self._done = not self._cursor
+        return items
+
+
+# Exec
+
+
+def exec_body(command: str | Sequence[str], options: ExecOptions) -> dict[str, Any]:
+    """The exec request: a string runs through `/bin/sh -c`, a sequence is the argv itself."""
+    body: dict[str, Any] = {"cmd": command} if isinstance(command, str) else {"argv": list(command)}
+    for key in ("env", "cwd", "user", "timeout"):
+        value = options.get(key)
+        if value is not None:
+            body[key] = dict(value) if isinstance(value, Mapping) else value
+    stdin = options.get("stdin")
+    if stdin is not None:
+        raw = stdin.encode() if isinstance(stdin, str) else stdin
+        body["stdin"] = base64.b64encode(raw).decode()
+    return body
+
+
+def exec_(sandbox_id: str, command: str | Sequence[str], options: ExecOptions) -> Call[None]:
+    """Answers an NDJSON stream (see `_exec.ExecDecoder`)."""
+    return Call(
+        "POST",
+        _sandbox(sandbox_id, "/exec"),
+        _nothing,
+        body=exec_body(command, options),
+        unbounded=True,
+    )
+
+
+def exec_ws_path(sandbox_id: str) -> str:
+    return _sandbox(sandbox_id, "/exec/ws")
+
+
+# Files
+
+
+def read_file(sandbox_id: str, path: str) -> Call[bytes]:
+    return Call(
+        "GET",
+        _sandbox(sandbox_id, "/files"),
+        lambda r: r.content,
+        params=[("path", path)],
+        unbounded=True,
+    )
+
+
+def write_file(sandbox_id: str, path: str, mode: int | None, make_parents: bool) -> Call[int]:
+    params = [("path", path), ("make_parents", _flag(make_parents))]
+    if mode is not None:
+        params.append(("mode", str(mode)))
+    return Call(
+        "PUT",
+        _sandbox(sandbox_id, "/files"),
+        _json(lambda data: int(data["size"])),
+        params=params,
+        unbounded=True,
+    )
+
+
+def list_files(sandbox_id: str, path: str) -> Call[list[FileEntry]]:
+    return Call(
+        "GET",
+        _sandbox(sandbox_id, "/files/list"),
+        _json(lambda data: [FileEntry.from_json(e) for e in data["entries"]]),
+        params=[("path", path)],
+    )
+
+
+def stat(sandbox_id: str, path: str) -> Call[FileEntry]:
+    return Call(
+        "GET",
+        _sandbox(sandbox_id, "/files/stat"),
+        _json(FileEntry.from_json),
+        params=[("path", path)],
+    )
+
+
+def remove(sandbox_id: str, path: str, recursive: bool) -> Call[None]:
+    return Call(
+        "DELETE",
+        _sandbox(sandbox_id, "/files"),
+        _nothing,
+        params=[("path", path), ("recursive", _flag(recursive))],
+    )
+
+
+def mkdir(sandbox_id: str, path: str, parents: bool) -> Call[FileEntry]:
+    return Call(
+        "POST",
+        _sandbox(sandbox_id, "/files/mkdir"),
+        _json(FileEntry.from_json),
+        params=[("path", path), ("parents", _flag(parents))],
+    )
+
+
+def read_chunks(f: Readable, size: int = CHUNK_SIZE) -> Iterator[bytes]:
+    while chunk := f.read(size):
+        yield chunk
+
+
+def upload_content(data: Upload) -> bytes | Iterable[bytes]:
+    """A request body for `write`: bytes as they are, text as UTF-8, a file object in chunks."""
+    if isinstance(data, str):
+        return data.encode()
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, Readable):
+        return read_chunks(data)
+    return data

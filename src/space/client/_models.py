@@ -1,0 +1,151 @@
+"""The values the API answers with, as frozen dataclasses built from its JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+
+def _time(value: Any) -> datetime:
+    """An RFC 3339 string (the API's timestamps) or seconds since the epoch (file times)."""
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, UTC)
+    return datetime.fromisoformat(value)
+
+
+def _optional_time(value: Any) -> datetime | None:
+    return None if value is None else _time(value)
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    """A sandbox as the API last described it."""
+
+    id: str
+    state: str
+    desired_state: str
+    reason: str | None
+    template: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    timeout_s: int
+    timeout_action: str
+    expires_at: datetime | None
+    env: dict[str, str]
+    metadata: dict[str, str]
+    worker_id: str | None
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SandboxInfo:
+        return cls(
+            id=data["id"],
+            state=data["state"],
+            desired_state=data["desired_state"],
+            reason=data.get("reason"),
+            template=data["template"],
+            vcpus=data["vcpus"],
+            memory_mib=data["memory_mib"],
+            disk_mib=data["disk_mib"],
+            timeout_s=data["timeout_s"],
+            timeout_action=data["timeout_action"],
+            expires_at=_optional_time(data.get("expires_at")),
+            env=dict(data.get("env") or {}),
+            metadata=dict(data.get("metadata") or {}),
+            worker_id=data.get("worker_id"),
+            created_at=_time(data["created_at"]),
+            updated_at=_time(data["updated_at"]),
+        )
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """How a command ended, with its whole output when it was collected (`exec`, not
+    `exec_stream`, whose output went to the caller as it came)."""
+
+    exit_code: int | None  # None when a signal ended the process
+    signal: int | None
+    timed_out: bool
+    stdout: bytes
+    stderr: bytes
+    duration_ms: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    @property
+    def text(self) -> str:
+        """stdout as text (UTF-8; undecodable bytes replaced)."""
+        return self.stdout.decode(errors="replace")
+
+    @classmethod
+    def from_exit_event(cls, event: Mapping[str, Any]) -> ExecResult:
+        return cls(
+            exit_code=event.get("exit_code"),
+            signal=event.get("signal"),
+            timed_out=bool(event.get("timed_out")),
+            stdout=b"",
+            stderr=b"",
+            duration_ms=float(event.get("duration_ms") or 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file, directory or link inside a sandbox."""
+
+    name: str
+    path: str
+    type: str  # "file", "directory", "symlink" or "other"
+    size: int
+    mode: int  # permission bits, e.g. 0o644
+    uid: int
+    gid: int
+    mtime: datetime
+    target: str | None = None  # where a symlink points
+
+    @property
+    def is_dir(self) -> bool:
+        return self.type == "directory"
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FileEntry:
+        return cls(
+            name=data["name"],
+            path=data["path"],
+            type=data["type"],
+            size=data["size"],
+            mode=data["mode"],
+            uid=data["uid"],
+            gid=data["gid"],
+            mtime=_time(data["mtime"]),
+            target=data.get("target"),
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step in a sandbox's life (created, a state change, an error)."""
+
+    id: int | str
+    at: datetime
+    type: str
+    from_state: str | None
+    to_state: str | None
+    reason: str | None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Event:
+        return cls(
+            id=data["id"],
+            at=_time(data["at"]),
+            type=data["type"],
+            from_state=data.get("from_state"),
+            to_state=data.get("to_state"),
+            reason=data.get("reason"),
+        )

@@ -1,0 +1,245 @@
+"""The synchronous SDK: `Space` (a connection to the API) and `Sandbox` (one sandbox), over
+httpx.Client. Requests and answers come from `_calls`; this module only sends them."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from typing import TypeVar, Unpack
+
+import httpx
+
+from space.client import _calls as calls
+from space.client._calls import Call, CreateOptions, ExecOptions, Upload
+from space.client._config import resolve_credentials
+from space.client._errors import NotFoundError, error_from_response, transport_errors
+from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
+from space.client._models import Event, ExecResult, FileEntry, SandboxInfo
+
+T = TypeVar("T")
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    if response.is_error:
+        response.read()
+        raise error_from_response(response)
+
+
+class Space:
+    """A connection to a SPACE API server.
+
+    `base_url` and `api_key` default to SPACE_API_URL and SPACE_API_KEY, then to the credentials
+    file that `space up` writes. Close it (or use `with`) to release its connections.
+    """
+
+    def __init__(
+        self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 120.0
+    ) -> None:
+        credentials = resolve_credentials(base_url, api_key)
+        self._http = httpx.Client(
+            **calls.client_options(credentials, timeout),
+            event_hooks={"response": [_raise_for_error]},
+        )
+
+    @property
+    def base_url(self) -> str:
+        return str(self._http.base_url)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Space:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, call: Call[T], content: bytes | Iterable[bytes] | None = None) -> T:
+        with transport_errors(self.base_url):
+            return call.answer(self._http.send(call.request(self._http, content)))
+
+    def _stream(self, call: Call[T]) -> Generator[bytes]:
+        with transport_errors(self.base_url):
+            response = self._http.send(call.request(self._http), stream=True)
+            try:
+                yield from response.iter_bytes()
+            finally:
+                response.close()
+
+
+@functools.cache
+def _default_client() -> Space:
+    """The client of sandboxes made without one, configured from the environment."""
+    return Space()
+
+
+class ExecStream(ExecStreamBase):
+    """A running command: iterate it for `("stdout" | "stderr", bytes)` as the output comes,
+    then read `result`. Closing it (or leaving its `with` block) early stops reading."""
+
+    def __init__(self, client: Space, call: Call[None]) -> None:
+        super().__init__()
+        self._output = self._read(client, call)
+
+    def _read(self, client: Space, call: Call[None]) -> Generator[Output]:
+        with contextlib.closing(client._stream(call)) as chunks:
+            for chunk in chunks:
+                yield from self._decoder.feed(chunk)
+                if self.finished:
+                    return
+        yield from self._decoder.end()
+
+    def __iter__(self) -> ExecStream:
+        return self
+
+    def __next__(self) -> Output:
+        return next(self._output)
+
+    def close(self) -> None:
+        self._output.close()
+
+    def __enter__(self) -> ExecStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Files:
+    """The files of one sandbox (`sandbox.files`). Paths are absolute paths inside it."""
+
+    def __init__(self, client: Space, sandbox_id: str) -> None:
+        self._client = client
+        self._id = sandbox_id
+
+    def read(self, path: str) -> bytes:
+        return self._client._call(calls.read_file(self._id, path))
+
+    def iter(self, path: str) -> Iterator[bytes]:
+        """The file's contents in chunks, as they arrive."""
+        return self._client._stream(calls.read_file(self._id, path))
+
+    def write(
+        self, path: str, data: Upload, *, mode: int | None = None, make_parents: bool = False
+    ) -> int:
+        """Writes bytes, text (UTF-8), a binary file object or an iterable of bytes to `path`,
+        streamed; the file appears whole or not at all. Answers the size written."""
+        call = calls.write_file(self._id, path, mode, make_parents)
+        return self._client._call(call, calls.upload_content(data))
+
+    def list(self, path: str) -> builtins.list[FileEntry]:
+        return self._client._call(calls.list_files(self._id, path))
+
+    def stat(self, path: str) -> FileEntry:
+        return self._client._call(calls.stat(self._id, path))
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._client._call(calls.remove(self._id, path, recursive))
+
+    def mkdir(self, path: str, *, parents: bool = False) -> FileEntry:
+        return self._client._call(calls.mkdir(self._id, path, parents))
+
+
+class Sandbox:
+    """One sandbox. Make one with `create`, find them with `get` and `list`; `with` deletes it
+    at the end of the block. `info` is the API's latest description of it."""
+
+    def __init__(self, client: Space, info: SandboxInfo) -> None:
+        self.info = info
+        self.files = Files(client, info.id)
+        self._client = client
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def state(self) -> str:
+        return self.info.state
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, state={self.state!r})"
+
+    @classmethod
+    def create(cls, *, client: Space | None = None, **options: Unpack[CreateOptions]) -> Sandbox:
+        """A new sandbox, answered once it is running (unless `wait=False`)."""
+        client = client or _default_client()
+        return cls(client, client._call(calls.create(options)))
+
+    @classmethod
+    def get(cls, sandbox_id: str, *, client: Space | None = None) -> Sandbox:
+        client = client or _default_client()
+        return cls(client, client._call(calls.get(sandbox_id)))
+
+    @classmethod
+    def list(
+        cls,
+        *,
+        state: str | None = None,
+        template: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        client: Space | None = None,
+    ) -> Iterator[Sandbox]:
+        """Every sandbox that matches, newest first, fetched page by page as iteration goes."""
+        client = client or _default_client()
+        pages = calls.Pages(state, template, metadata)
+        while (call := pages.next_call()) is not None:
+            yield from (cls(client, info) for info in client._call(call))
+
+    def _update(self, call: Call[SandboxInfo]) -> SandboxInfo:
+        self.info = self._client._call(call)
+        return self.info
+
+    def refresh(self) -> SandboxInfo:
+        return self._update(calls.get(self.id))
+
+    def pause(self) -> SandboxInfo:
+        return self._update(calls.lifecycle(self.id, "pause"))
+
+    def resume(self) -> SandboxInfo:
+        return self._update(calls.lifecycle(self.id, "resume"))
+
+    def suspend(self) -> SandboxInfo:
+        return self._update(calls.lifecycle(self.id, "suspend"))
+
+    def delete(self) -> SandboxInfo:
+        return self._update(calls.delete(self.id))
+
+    def set_timeout(self, timeout_s: int) -> SandboxInfo:
+        """Moves the deadline to now + `timeout_s`."""
+        return self._update(calls.set_timeout(self.id, timeout_s))
+
+    def events(self) -> builtins.list[Event]:
+        return self._client._call(calls.events(self.id))
+
+    def exec_stream(
+        self, command: str | Sequence[str], **options: Unpack[ExecOptions]
+    ) -> ExecStream:
+        """Runs `command` (a string goes through `/bin/sh -c`, a sequence is the argv) and
+        streams its output; see `ExecStream`."""
+        return ExecStream(self._client, calls.exec_(self.id, command, options))
+
+    def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        **options: Unpack[ExecOptions],
+    ) -> ExecResult:
+        """Runs `command` to its end; the result holds its whole output, which is also passed
+        to the callbacks piece by piece as it comes."""
+        collector = OutputCollector(on_stdout, on_stderr)
+        with self.exec_stream(command, **options) as stream:
+            for name, data in stream:
+                collector.add(name, data)
+        return collector.result(stream.result)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(NotFoundError):
+            self.delete()

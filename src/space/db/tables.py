@@ -1,0 +1,100 @@
+"""The schema, as SQLAlchemy Core tables (migrations in `migrations/` create the same)."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = sa.MetaData()
+
+NOW = sa.text("now()")
+
+tenants = sa.Table(
+    "tenants",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("name", sa.Text, nullable=False, unique=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),  # the key's public prefix
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("secret_sha256", sa.LargeBinary, nullable=False),
+    sa.Column("name", sa.Text, nullable=False, server_default=""),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("revoked_at", sa.DateTime(timezone=True)),
+)
+
+templates = sa.Table(
+    "templates",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+workers = sa.Table(
+    "workers",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("state", sa.Text, nullable=False),  # active | dead
+    sa.Column("instance", sa.Text, nullable=False),  # changes at every worker process start
+    sa.Column("capacity_vcpus", sa.Integer, nullable=False),
+    sa.Column("capacity_memory_mib", sa.Integer, nullable=False),
+    sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+sandboxes = sa.Table(
+    "sandboxes",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("template", sa.Text, nullable=False),
+    sa.Column("state", sa.Text, nullable=False),
+    sa.Column("desired_state", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("prev_state", sa.Text),  # what `error` interrupted, to return to when recoverable
+    sa.Column("worker_id", sa.Text, sa.ForeignKey("workers.id")),
+    sa.Column("vcpus", sa.Integer, nullable=False),
+    sa.Column("memory_mib", sa.Integer, nullable=False),
+    sa.Column("disk_mib", sa.Integer, nullable=False),
+    sa.Column("timeout_s", sa.Integer, nullable=False),
+    sa.Column("timeout_action", sa.Text, nullable=False),
+    sa.Column("expires_at", sa.DateTime(timezone=True)),
+    sa.Column("env", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("metadata", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("idempotency_key", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Index(
+        "sandboxes_tenant_created", "tenant_id", sa.text("created_at DESC"), sa.text("id DESC")
+    ),
+    sa.Index("sandboxes_state", "state"),
+    sa.Index("sandboxes_worker", "worker_id"),
+    sa.Index("sandboxes_metadata", "metadata", postgresql_using="gin"),
+    sa.Index(
+        "sandboxes_idempotency",
+        "tenant_id",
+        "idempotency_key",
+        unique=True,
+        postgresql_where=sa.text("idempotency_key IS NOT NULL"),
+    ),
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("id", sa.BigInteger, primary_key=True, autoincrement=True),
+    sa.Column("sandbox_id", sa.Text, nullable=False),
+    sa.Column("tenant_id", sa.Text, nullable=False),
+    sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("type", sa.Text, nullable=False),
+    sa.Column("from_state", sa.Text),
+    sa.Column("to_state", sa.Text),
+    sa.Column("reason", sa.Text),
+    sa.Index("events_sandbox", "sandbox_id", "id"),
+)

@@ -1,0 +1,60 @@
+"""The worker process (`space worker`): adopt this host's VMs, register, heartbeat, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+
+from space.db import migrate
+from space.db.store import Store, connect
+from space.worker.local import local_runtime
+from space.worker.service import serve
+from space.worker.vms import VMManager
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+
+
+async def _heartbeat(store: Store, worker_id: str, instance: str) -> None:
+    while True:
+        await asyncio.sleep(HEARTBEAT_S)
+        try:
+            if not await store.heartbeat(worker_id, instance):
+                log.error("another process registered as worker %s; stopping", worker_id)
+                return
+        except Exception as e:  # the database may be restarting; keep trying
+            log.warning("heartbeat failed: %s", e)
+
+
+async def run(
+    database_url: str, secret: str, *, worker_id: str, host: str, port: int, url: str
+) -> None:
+    runtime = await local_runtime()
+    manager = VMManager(runtime, worker_id)
+    # An operator may promise more (or less) than the host's defaults.
+    if os.environ.get("SPACE_WORKER_VCPUS"):
+        manager.capacity_vcpus = int(os.environ["SPACE_WORKER_VCPUS"])
+    if os.environ.get("SPACE_WORKER_MEMORY_MIB"):
+        manager.capacity_memory_mib = int(os.environ["SPACE_WORKER_MEMORY_MIB"])
+    await manager.start()  # re-adopt before announcing ourselves, so recovery finds the VMs
+    store = Store(connect(database_url, pool_size=2))
+    await migrate.upgrade(store.engine)
+    instance = secrets.token_hex(8)
+    await store.register_worker(
+        worker_id, url, instance, manager.capacity_vcpus, manager.capacity_memory_mib
+    )
+    beating = asyncio.ensure_future(_heartbeat(store, worker_id, instance))
+    serving = asyncio.ensure_future(serve(manager, secret, host, port))
+    try:
+        await asyncio.wait([beating, serving], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (beating, serving):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await manager.close(stop_vms=False)  # VMs outlive the process; the next one adopts them
+        await store.close()

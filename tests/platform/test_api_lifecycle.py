@@ -1,0 +1,109 @@
+"""The sandbox lifecycle through the HTTP API, end to end against the real stack."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from .conftest import Platform
+from .helpers import counter_runs, create, exec_events, run, start_counter, wait_state
+
+pytestmark = pytest.mark.vm
+
+
+def test_create_exec_files_pause_resume_suspend_resume_delete(platform: Platform) -> None:
+    with platform.client() as c:
+        sb = create(c, metadata={"suite": "lifecycle"}, env={"GREETING": "hello"})
+        assert sb["state"] == "running", sb
+        sid = sb["id"]
+
+        out, err, code = run(c, sid, 'echo "$GREETING"; echo oops >&2; exit 3')
+        assert (out, err, code) == (b"hello\n", b"oops\n", 3)
+        events = exec_events(c, sid, argv=["true"])
+        assert [e["type"] for e in events] == ["start", "exit"]
+
+        data = os.urandom(3 << 20)
+        r = c.put(f"/v1/sandboxes/{sid}/files", params={"path": "/root/data.bin"}, content=data)
+        assert r.status_code == 200 and r.json()["size"] == len(data)
+        got = c.get(f"/v1/sandboxes/{sid}/files", params={"path": "/root/data.bin"})
+        assert hashlib.sha256(got.content).digest() == hashlib.sha256(data).digest()
+        names = [e["name"] for e in c.get(f"/v1/sandboxes/{sid}/files/list",
+                                          params={"path": "/root"}).json()["entries"]]  # fmt: skip
+        assert "data.bin" in names
+        missing = c.get(f"/v1/sandboxes/{sid}/files/stat", params={"path": "/nope"})
+        assert missing.status_code == 404
+        assert missing.headers["content-type"] == "application/problem+json"
+
+        pid = start_counter(c, sid)
+        assert c.post(f"/v1/sandboxes/{sid}/pause").json()["state"] == "paused"
+        assert c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "true"}).status_code == 409
+        assert c.post(f"/v1/sandboxes/{sid}/resume").json()["state"] == "running"
+        assert counter_runs(c, sid, pid)
+
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").json()["state"] == "suspended"
+        assert c.post(f"/v1/sandboxes/{sid}/resume").json()["state"] == "running"
+        assert counter_runs(c, sid, pid), "a process started before suspend must survive it"
+        again = c.get(f"/v1/sandboxes/{sid}/files", params={"path": "/root/data.bin"})
+        assert hashlib.sha256(again.content).digest() == hashlib.sha256(data).digest()
+
+        assert c.delete(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"  # kept for audit
+        states = [e["to_state"] for e in c.get(f"/v1/sandboxes/{sid}/events").json()["items"]]
+        for s in ("pending", "starting", "running", "pausing", "paused", "suspending",
+                  "suspended", "resuming", "deleting", "deleted"):  # fmt: skip
+            assert s in states, (s, states)
+
+
+def test_illegal_transitions_answer_409_with_the_state(platform: Platform) -> None:
+    with platform.client() as c:
+        sid = create(c)["id"]
+        r = c.post(f"/v1/sandboxes/{sid}/resume")
+        assert r.status_code == 409 and r.json()["state"] == "running"
+        c.post(f"/v1/sandboxes/{sid}/pause")
+        r = c.post(f"/v1/sandboxes/{sid}/pause")
+        assert r.status_code == 409 and r.json()["state"] == "paused"
+        c.delete(f"/v1/sandboxes/{sid}")
+        r = c.post(f"/v1/sandboxes/{sid}/resume")
+        assert r.status_code == 409 and r.json()["state"] == "deleted"
+
+
+def test_idempotent_create_and_client_chosen_ids(platform: Platform) -> None:
+    with platform.client() as c:
+        key = {"Idempotency-Key": os.urandom(8).hex()}
+        first = c.post("/v1/sandboxes", json={}, headers=key)
+        second = c.post("/v1/sandboxes", json={}, headers=key)
+        assert first.status_code == 201 and second.status_code == 200
+        assert first.json()["id"] == second.json()["id"]
+        mine = f"mine-{os.urandom(4).hex()}"
+        assert create(c, id=mine)["id"] == mine
+        assert c.post("/v1/sandboxes", json={"id": mine}).status_code == 200
+        for sid in (first.json()["id"], mine):
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_list_filters_and_pagination(platform: Platform) -> None:
+    with platform.client() as c:
+        tag = os.urandom(4).hex()
+        ids = {create(c, metadata={"tag": tag}, **{"id": f"ls-{tag}-{i}"})["id"] for i in range(3)}
+        c.post(f"/v1/sandboxes/ls-{tag}-0/pause")
+        page = c.get("/v1/sandboxes", params={"metadata.tag": tag, "limit": 2}).json()
+        assert len(page["items"]) == 2 and page["next_cursor"]
+        rest = c.get("/v1/sandboxes", params={"metadata.tag": tag, "cursor": page["next_cursor"]})
+        assert {s["id"] for s in page["items"] + rest.json()["items"]} == ids
+        paused = c.get("/v1/sandboxes", params={"metadata.tag": tag, "state": "paused"}).json()
+        assert [s["id"] for s in paused["items"]] == [f"ls-{tag}-0"]
+        for sid in ids:
+            c.delete(f"/v1/sandboxes/{sid}", params={"wait": "false"})
+
+
+def test_timeout_pauses_or_deletes_as_asked(platform: Platform) -> None:
+    with platform.client() as c:
+        pausing = create(c, timeout_s=2, timeout_action="pause")["id"]
+        deleting = create(c, timeout_s=2, timeout_action="delete")["id"]
+        wait_state(c, pausing, "paused", timeout=30)
+        wait_state(c, deleting, "deleted", timeout=30)
+        r = c.put(f"/v1/sandboxes/{pausing}/timeout", json={"timeout_s": 600})
+        assert r.status_code == 200 and r.json()["timeout_s"] == 600
+        c.delete(f"/v1/sandboxes/{pausing}")

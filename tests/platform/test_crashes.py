@@ -1,0 +1,149 @@
+"""`kill -9` of any service loses nothing; workers come and go; sandboxes spread and clean up."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from space.db import embedded
+
+from ..vm.conftest import vmm_pids
+from .conftest import Platform
+from .helpers import counter_runs, create, run, start_counter, wait_state
+
+pytestmark = pytest.mark.vm
+
+
+def test_controller_killed_mid_create_then_it_completes(platform: Platform) -> None:
+    with platform.client() as c:
+        r = c.post("/v1/sandboxes", params={"wait": "false"}, json={})
+        assert r.status_code == 202
+        sid = r.json()["id"]
+        platform.controller.kill9()
+        time.sleep(0.5)
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] in ("pending", "starting", "running")
+        platform.controller.start()
+        wait_state(c, sid, "running", timeout=120)
+        assert run(c, sid, "echo ok")[0] == b"ok\n"
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_api_killed_mid_operation_loses_nothing(platform: Platform) -> None:
+    with platform.client() as c:
+        sid = create(c)["id"]
+    result: dict[str, object] = {}
+
+    def suspend() -> None:
+        try:
+            with platform.client() as c2:
+                result["r"] = c2.post(f"/v1/sandboxes/{sid}/suspend")
+        except httpx.TransportError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=suspend)
+    t.start()
+    time.sleep(0.3)
+    platform.api.kill9()
+    t.join()
+    platform.api.start()
+    platform.wait_api()
+    with platform.client() as c:
+        # The intent was written before the API died: the controller finishes it.
+        wait_state(c, sid, "suspended", timeout=60)
+        assert c.post(f"/v1/sandboxes/{sid}/resume").json()["state"] == "running"
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_worker_killed_marks_sandboxes_then_readopts_them(platform: Platform) -> None:
+    worker_id, worker = next(iter(platform.workers.items()))
+    with platform.client() as c:
+        sid = create(c)["id"]
+        pid = start_counter(c, sid)
+        worker.kill9()
+        t0 = time.monotonic()
+        sb = wait_state(c, sid, "error", timeout=15, reason=f"worker {worker_id} lost")
+        assert time.monotonic() - t0 < 10, "the loss must be noticed within seconds"
+        assert sb["reason"]
+        worker.start()
+        wait_state(c, sid, "running", timeout=90)
+        assert counter_runs(c, sid, pid), "the VM must survive its worker's death"
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_suspended_sandbox_survives_a_restart_of_everything(platform: Platform) -> None:
+    with platform.client() as c:
+        sid = create(c)["id"]
+        pid = start_counter(c, sid)
+        run(c, sid, "echo kept > /root/mark")
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").json()["state"] == "suspended"
+    services = [platform.api, platform.controller, *platform.workers.values()]
+    for svc in services:
+        svc.kill9()
+    pgdata = platform.tmp / "pg"
+    embedded.stop(pgdata)
+    embedded.start(pgdata)
+    for svc in services:
+        svc.start()
+    platform.wait_api()
+    with platform.client() as c:
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "suspended"
+        assert c.post(f"/v1/sandboxes/{sid}/resume").json()["state"] == "running"
+        assert counter_runs(c, sid, pid)
+        assert run(c, sid, "cat /root/mark")[0] == b"kept\n"
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_two_workers_share_the_load(platform: Platform) -> None:
+    second = f"t{secrets.token_hex(3)}"
+    platform.add_worker(second)
+    with platform.client() as c:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the second worker has registered
+            sid = create(c)["id"]
+            placed = c.get(f"/v1/sandboxes/{sid}").json()["worker_id"]
+            c.delete(f"/v1/sandboxes/{sid}", params={"wait": "false"})
+            if placed == second:
+                break
+        ids = [create(c)["id"] for _ in range(4)]
+        workers = {c.get(f"/v1/sandboxes/{i}").json()["worker_id"] for i in ids}
+        assert len(workers) == 2, workers
+        for sid in ids:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
+def _host_resources() -> dict[str, object]:
+    mounts = Path("/proc/mounts").read_text().count("\n")
+    netns = len(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else 0
+    taps = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("tap"))
+    run_dirs = sorted(str(p) for p in Path("/var/lib/space/pool/workers").glob("*/vms/*"))
+    return {"vmm": vmm_pids(), "mounts": mounts, "netns": netns, "taps": taps, "dirs": run_dirs}
+
+
+def test_fifty_concurrent_creates_and_deletes_leak_nothing(platform: Platform) -> None:
+    with platform.client() as c:  # warm the base snapshots first, so the count is steady
+        c.delete(f"/v1/sandboxes/{create(c, memory_mib=128)['id']}")
+    before = _host_resources()
+
+    def one(_: int) -> str:
+        with platform.client() as c:
+            sb = create(c, memory_mib=128)
+            assert sb["state"] == "running", sb
+            assert run(c, sb["id"], "echo $((6*7))")[0] == b"42\n"
+            gone = c.delete(f"/v1/sandboxes/{sb['id']}")
+            assert gone.json()["state"] == "deleted", gone.text
+            return str(sb["id"])
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        ids = list(pool.map(one, range(50)))
+    assert len(set(ids)) == 50
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _host_resources() != before:
+        time.sleep(0.5)
+    assert _host_resources() == before
