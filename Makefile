@@ -3,7 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup deps venv images test lint bench
+.PHONY: up setup deps venv images test lint bench
+
+# The whole platform on this machine, in the foreground: prints the API URL and a key.
+up: setup
+	$(BIN)/space up
 
 # Everything a host needs: system packages, the Python environment, the guest kernel and `base`.
 setup: deps venv images

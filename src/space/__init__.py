@@ -1,3 +1,73 @@
 """SPACE: a self-hostable Sandboxed Platform for Agentic Code Execution."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# The SDK is loaded on first use of one of its names: `import space` alone stays cheap for the
+# CLI and for host modules that never talk HTTP (importing httpx costs ~0.1 s).
+if TYPE_CHECKING:
+    from space.client import (
+        APIError,
+        AsyncExecStream,
+        AsyncFiles,
+        AsyncSandbox,
+        AsyncSpace,
+        AuthenticationError,
+        ConflictError,
+        ConnectionError,
+        CreateOptions,
+        Event,
+        ExecError,
+        ExecOptions,
+        ExecResult,
+        ExecStream,
+        FileEntry,
+        Files,
+        ListFilters,
+        NotFoundError,
+        Sandbox,
+        SandboxInfo,
+        Space,
+        SpaceError,
+        ValidationError,
+    )
+
+__all__ = [
+    "APIError",
+    "AsyncExecStream",
+    "AsyncFiles",
+    "AsyncSandbox",
+    "AsyncSpace",
+    "AuthenticationError",
+    "ConflictError",
+    "ConnectionError",
+    "CreateOptions",
+    "Event",
+    "ExecError",
+    "ExecOptions",
+    "ExecResult",
+    "ExecStream",
+    "FileEntry",
+    "Files",
+    "ListFilters",
+    "NotFoundError",
+    "Sandbox",
+    "SandboxInfo",
+    "Space",
+    "SpaceError",
+    "ValidationError",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        import space.client
+
+        value = getattr(space.client, name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'space' has no attribute {name!r}")

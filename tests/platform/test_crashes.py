@@ -118,18 +118,35 @@ def test_two_workers_share_the_load(platform: Platform) -> None:
             c.delete(f"/v1/sandboxes/{sid}")
 
 
-def _host_resources() -> dict[str, object]:
+def _platform_vmms(worker_ids: list[str]) -> set[int]:
+    """VMM processes of these workers only (other deployments may share the host)."""
+    marks = [f"/workers/{w}/".encode() for w in worker_ids]
+    return {
+        pid for pid in vmm_pids()
+        if any(m in Path(f"/proc/{pid}/cmdline").read_bytes() for m in marks)
+    }  # fmt: skip
+
+
+def _host_resources(worker_ids: list[str]) -> dict[str, object]:
     mounts = Path("/proc/mounts").read_text().count("\n")
     netns = len(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else 0
     taps = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("tap"))
-    run_dirs = sorted(str(p) for p in Path("/var/lib/space/pool/workers").glob("*/vms/*"))
-    return {"vmm": vmm_pids(), "mounts": mounts, "netns": netns, "taps": taps, "dirs": run_dirs}
+    pool = Path("/var/lib/space/pool/workers")
+    run_dirs = sorted(str(p) for w in worker_ids for p in (pool / w).glob("vms/*"))
+    return {
+        "vmm": _platform_vmms(worker_ids),
+        "mounts": mounts,
+        "netns": netns,
+        "taps": taps,
+        "dirs": run_dirs,
+    }
 
 
 def test_fifty_concurrent_creates_and_deletes_leak_nothing(platform: Platform) -> None:
     with platform.client() as c:  # warm the base snapshots first, so the count is steady
         c.delete(f"/v1/sandboxes/{create(c, memory_mib=128)['id']}")
-    before = _host_resources()
+    workers = list(platform.workers)
+    before = _host_resources(workers)
 
     def one(_: int) -> str:
         with platform.client() as c:
@@ -144,6 +161,6 @@ def test_fifty_concurrent_creates_and_deletes_leak_nothing(platform: Platform) -
         ids = list(pool.map(one, range(50)))
     assert len(set(ids)) == 50
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _host_resources() != before:
+    while time.monotonic() < deadline and _host_resources(workers) != before:
         time.sleep(0.5)
-    assert _host_resources() == before
+    assert _host_resources(workers) == before

@@ -8,6 +8,7 @@ import click
 
 from space import __version__
 from space.cli.images import image
+from space.cli.sandbox import cp, exec_, sandbox, shell
 from space.cli.services import api, controller, up, worker
 from space.cli.vm import vm
 
@@ -25,6 +26,10 @@ def cli(verbose: bool) -> None:
 
 cli.add_command(vm)
 cli.add_command(image)
+cli.add_command(sandbox)
+cli.add_command(exec_)
+cli.add_command(shell)
+cli.add_command(cp)
 for command in (up, api, controller, worker):
     cli.add_command(command)
 

@@ -7,19 +7,24 @@ services as child processes; it prints the URL and an API key and stays in the f
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import click
 import httpx
 
 from space import config
+from space.client._config import (
+    Credentials,
+    credentials_path,
+    resolve_credentials,
+    save_credentials,
+)
+from space.client._errors import SpaceError
 from space.db import embedded, migrate
 from space.db.store import Store, connect
 
@@ -71,36 +76,21 @@ def worker(worker_id: str, host: str, port: int, url: str | None) -> None:
     )
 
 
-def credentials_file() -> Path:
-    return (
-        Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config"))
-        / "space"
-        / "credentials.json"
-    )
-
-
 async def _bootstrap(url: str, api_url: str) -> str:
     """Schema, the `base` template, the default tenant and an API key (reused if still valid)."""
     store = Store(connect(url))
     try:
         await migrate.upgrade(store.engine)
         await store.ensure_template("base")
-        creds = credentials_file()
         try:
-            saved = json.loads(creds.read_text())
-            if await store.authenticate(saved.get("api_key", "")) is not None:
-                saved["api_url"] = api_url
-                creds.write_text(json.dumps(saved, indent=2))
-                return str(saved["api_key"])
-        except (OSError, ValueError):
-            pass
-        tenant = await store.create_tenant("default")
-        key = await store.create_api_key(tenant.id, "space up")
-        creds.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(creds, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"api_url": api_url, "api_key": key}, f, indent=2)
-        return key
+            saved: str | None = resolve_credentials(api_url).api_key
+        except SpaceError:
+            saved = None
+        if saved is None or await store.authenticate(saved) is None:
+            tenant = await store.create_tenant("default")
+            saved = await store.create_api_key(tenant.id, "space up")
+        save_credentials(Credentials(api_url, saved))
+        return saved
     finally:
         await store.close()
 
@@ -168,7 +158,7 @@ def up(port: int, worker_port: int) -> None:
 SPACE is up.
   API:      {api_url}   (OpenAPI: {api_url}/docs)
   API key:  {key}
-  saved in  {credentials_file()}  (the CLI and SDK read it)
+  saved in  {credentials_path()}  (the CLI and SDK read it)
 
   space sandbox create            # prints a sandbox id
   space exec <id> -- uname -a

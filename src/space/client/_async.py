@@ -7,21 +7,20 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterable,
-    AsyncIterator,
-    Iterable,
-    Mapping,
-    Sequence,
-)
-from typing import TypeVar, Unpack
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Sequence
+from typing import Any, TypeVar, Unpack
 
 import httpx
 
 from space.client import _calls as calls
-from space.client._calls import Call, CreateOptions, ExecOptions, Upload
-from space.client._config import resolve_credentials
+from space.client._calls import (
+    Call,
+    CreateOptions,
+    ExecOptions,
+    ListFilters,
+    SandboxBase,
+    Upload,
+)
 from space.client._errors import NotFoundError, error_from_response, transport_errors
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
 from space.client._models import Event, ExecResult, FileEntry, SandboxInfo
@@ -38,19 +37,18 @@ async def _raise_for_error(response: httpx.Response) -> None:
 
 
 class AsyncSpace:
-    """A connection to a SPACE API server.
-
-    `base_url` and `api_key` default to SPACE_API_URL and SPACE_API_KEY, then to the credentials
-    file that `space up` writes. Close it (`aclose()` or `async with`) to release its connections.
-    """
+    """A connection to a SPACE API server, for asyncio: the arguments are those of `Space`.
+    `aclose()` it (or use `async with`) to release its connections."""
 
     def __init__(
-        self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 120.0
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = calls.DEFAULT_TIMEOUT,
     ) -> None:
-        credentials = resolve_credentials(base_url, api_key)
-        self._http = httpx.AsyncClient(
-            **calls.client_options(credentials, timeout),
-            event_hooks={"response": [_raise_for_error]},
+        self._http = calls.http_client(
+            httpx.AsyncClient, base_url, api_key, timeout, _raise_for_error
         )
 
     @property
@@ -70,7 +68,7 @@ class AsyncSpace:
         with transport_errors(self.base_url):
             return call.answer(await self._http.send(call.request(self._http, content)))
 
-    async def _stream(self, call: Call[T]) -> AsyncGenerator[bytes]:
+    async def _stream(self, call: Call[Any]) -> AsyncGenerator[bytes]:
         with transport_errors(self.base_url):
             response = await self._http.send(call.request(self._http), stream=True)
             try:
@@ -154,7 +152,7 @@ class AsyncFiles:
         return await self._client._call(calls.read_file(self._id, path))
 
     def iter(self, path: str) -> AsyncIterator[bytes]:
-        """The file's contents in chunks, as they arrive."""
+        """The file's contents in chunks, as they arrive (close the iterator if you stop early)."""
         return self._client._stream(calls.read_file(self._id, path))
 
     async def write(
@@ -178,25 +176,13 @@ class AsyncFiles:
         return await self._client._call(calls.mkdir(self._id, path, parents))
 
 
-class AsyncSandbox:
+class AsyncSandbox(SandboxBase[AsyncSpace]):
     """One sandbox. Make one with `create`, find them with `get` and `list`; `async with`
     deletes it at the end of the block. `info` is the API's latest description of it."""
 
     def __init__(self, client: AsyncSpace, info: SandboxInfo) -> None:
-        self.info = info
+        super().__init__(client, info)
         self.files = AsyncFiles(client, info.id)
-        self._client = client
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def state(self) -> str:
-        return self.info.state
-
-    def __repr__(self) -> str:
-        return f"AsyncSandbox(id={self.id!r}, state={self.state!r})"
 
     @classmethod
     async def create(
@@ -213,16 +199,11 @@ class AsyncSandbox:
 
     @classmethod
     async def list(
-        cls,
-        *,
-        state: str | None = None,
-        template: str | None = None,
-        metadata: Mapping[str, str] | None = None,
-        client: AsyncSpace | None = None,
+        cls, *, client: AsyncSpace | None = None, **filters: Unpack[ListFilters]
     ) -> AsyncIterator[AsyncSandbox]:
         """Every sandbox that matches, newest first, fetched page by page as iteration goes."""
         client = client or _default_client()
-        pages = calls.Pages(state, template, metadata)
+        pages = calls.Pages(filters)
         while (call := pages.next_call()) is not None:
             for info in await client._call(call):
                 yield cls(client, info)

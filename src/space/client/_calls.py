@@ -1,8 +1,9 @@
-"""The HTTP API's calls as plain data, shared by the sync and the async client.
+"""What the sync and the async client share: the HTTP API's calls as plain data.
 
 Each function here returns a `Call`: the request to make and how to read its answer. A client
 only sends it, over httpx.Client or httpx.AsyncClient; so paths, query parameters, bodies and the
-parsing of answers are written once, here, for both.
+parsing of answers are written once, here, for both, as are the option types of their methods
+and the part of a sandbox handle that does no I/O.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ from urllib.parse import quote
 import httpx
 
 from space import __version__
-from space.client._config import Credentials
+from space.client._config import resolve_credentials
 from space.client._errors import SpaceError
 from space.client._models import Event, FileEntry, SandboxInfo
 
 T = TypeVar("T")
+HTTPClient = TypeVar("HTTPClient", httpx.Client, httpx.AsyncClient)
+Client = TypeVar("Client")
 
 SANDBOXES = "/v1/sandboxes"
-DEFAULT_TIMEOUT = 120.0  # create and resume wait for the VM, which can take a while
+# Lifecycle calls answer once the change is done, which the API waits for up to 300 s.
+DEFAULT_TIMEOUT = 330.0
 CHUNK_SIZE = 1 << 20
 
 
@@ -41,6 +45,14 @@ class CreateOptions(TypedDict, total=False):
     id: str | None  # a client-chosen id: creating it again answers the same sandbox
     idempotency_key: str | None
     wait: bool | None  # False: answer at once, before the sandbox is running
+
+
+class ListFilters(TypedDict, total=False):
+    """Which sandboxes `list` answers; all of them when none is given."""
+
+    state: str | None
+    template: str | None
+    metadata: Mapping[str, str] | None  # labels the sandbox must all have
 
 
 class ExecOptions(TypedDict, total=False):
@@ -63,16 +75,44 @@ class Readable(Protocol):
 Upload = bytes | str | Readable | Iterable[bytes]
 
 
-def client_options(credentials: Credentials, timeout: float) -> dict[str, Any]:
-    """Keyword arguments for httpx.Client or httpx.AsyncClient."""
-    return {
-        "base_url": credentials.api_url,
-        "headers": {
+def http_client(
+    kind: type[HTTPClient],
+    base_url: str | None,
+    api_key: str | None,
+    timeout: float,
+    raise_for_error: Callable[[httpx.Response], Any],
+) -> HTTPClient:
+    """The httpx client of a `Space` or `AsyncSpace`; `raise_for_error` turns error answers
+    into our exceptions (a response hook: it sees every answer, streamed or not)."""
+    credentials = resolve_credentials(base_url, api_key)
+    return kind(
+        base_url=credentials.api_url,
+        headers={
             "Authorization": f"Bearer {credentials.api_key}",
             "User-Agent": f"space-python/{__version__}",
         },
-        "timeout": httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-    }
+        timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+        event_hooks={"response": [raise_for_error]},
+    )
+
+
+class SandboxBase(Generic[Client]):
+    """The I/O-free part of `Sandbox` and `AsyncSandbox`: the client and the latest info."""
+
+    def __init__(self, client: Client, info: SandboxInfo) -> None:
+        self._client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def state(self) -> str:
+        return self.info.state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, state={self.state!r})"
 
 
 @dataclass(frozen=True)
@@ -192,16 +232,13 @@ def events(sandbox_id: str) -> Call[list[Event]]:
 class Pages:
     """The listing, page by page: send `next_call()` until it is None."""
 
-    def __init__(
-        self,
-        state: str | None = None,
-        template: str | None = None,
-        metadata: Mapping[str, str] | None = None,
-        limit: int = 100,
-    ) -> None:
+    def __init__(self, filters: ListFilters, limit: int = 100) -> None:
         self._params = [("limit", str(limit))]
-        self._params += [(name, v) for name, v in (("state", state), ("template", template)) if v]
-        self._params += [(f"metadata.{k}", v) for k, v in (metadata or {}).items()]
+        for name in ("state", "template"):
+            if value := filters.get(name):
+                self._params.append((name, str(value)))
+        metadata = filters.get("metadata") or {}
+        self._params += [(f"metadata.{k}", v) for k, v in metadata.items()]
         self._cursor: str | None = None
         self._done = False
 

@@ -90,7 +90,10 @@ class ValidationError(APIError):
             ".".join(str(part) for part in e.get("loc", [])) + f": {e.get('msg', '?')}"
             for e in self.errors
         )
-        return f"{super()._message()}: {problems}" if problems else super()._message()
+        # SPACE's own detail already lists the problems; other servers' may not.
+        if problems and problems not in self.detail:
+            return f"{super()._message()} ({problems})"
+        return super()._message()
 
 
 _BY_STATUS: dict[int, type[APIError]] = {
@@ -104,7 +107,6 @@ _BY_STATUS: dict[int, type[APIError]] = {
 
 def error_from_response(response: httpx.Response) -> APIError:
     """The exception for an error answer whose body has been read."""
-    status = response.status_code
     try:
         body = json.loads(response.content)
     except ValueError:
@@ -112,6 +114,11 @@ def error_from_response(response: httpx.Response) -> APIError:
     if not isinstance(body, dict):
         # Not problem+json (a proxy's error page, say): its text is the best detail there is.
         body = {"detail": response.text.strip()[:500]}
+    return error_from_problem(response.status_code, body)
+
+
+def error_from_problem(status: int, body: Mapping[str, Any]) -> APIError:
+    """The exception for a status and a problem document (which may lack any field)."""
     title = body.get("title")
     if not isinstance(title, str) or not title:
         try:
@@ -134,5 +141,5 @@ def transport_errors(base_url: httpx.URL | str) -> Iterator[None]:
     except httpx.TransportError as e:
         raise ConnectionError(
             f"cannot talk to the SPACE API at {base_url}: {e or type(e).__name__} "
-            "(is it running? `space up` starts one; SPACE_API_URL points elsewhere)"
+            "(is it running? `space up` starts one; SPACE_API_URL or --api-url says where it is)"
         ) from e

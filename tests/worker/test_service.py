@@ -1,0 +1,576 @@
+"""The worker API (docs/worker-api.md) end to end: a real uvicorn, a real VMManager, real VMs.
+
+One worker serves the whole module (its own worker id, so its own directories in the pool);
+tests share its VMs where they can, since every boot costs seconds under TCG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import wsproto.events as wse
+from httpx_ws import WebSocketUpgradeError, aconnect_ws
+
+from space.worker.local import LocalRuntime, local_runtime
+from space.worker.service import serve
+from space.worker.vms import VMManager
+from tests.vm.conftest import vmm_pids
+
+pytestmark = pytest.mark.vm
+
+SECRET = "test-secret-" + uuid.uuid4().hex
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
+    ">/dev/null 2>&1 & echo $!"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    """A VMManager served by `serve()` in this event loop, and an HTTP client for it."""
+
+    def __init__(self, runtime: LocalRuntime, worker_id: str) -> None:
+        self.runtime = runtime
+        self.worker_id = worker_id
+        self.manager: VMManager
+        self.http: httpx.AsyncClient
+        self.url = ""
+        self._server: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.manager = VMManager(
+            self.runtime, self.worker_id, capacity_vcpus=8, capacity_memory_mib=4096,
+            reconcile_grace_s=0,
+        )  # fmt: skip
+        await self.manager.start()
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._server = asyncio.ensure_future(serve(self.manager, SECRET, "127.0.0.1", port))
+        self.http = httpx.AsyncClient(base_url=self.url, headers=AUTH, timeout=180)
+        for _ in range(200):
+            try:
+                if (await self.http.get("/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                await asyncio.sleep(0.02)
+        raise AssertionError("the worker did not come up")
+
+    async def stop(self, stop_vms: bool) -> None:
+        await self.http.aclose()
+        if self._server is not None:
+            self._server.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await self._server
+            self._server = None
+        await self.manager.close(stop_vms=stop_vms)
+
+    def pids(self) -> set[int]:
+        """Our VMM processes: those whose command line is in this worker's directory."""
+        root = str(self.manager.root).encode()
+        found = set()
+        for pid in vmm_pids():
+            try:
+                if root in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.add(pid)
+            except OSError:
+                continue
+        return found
+
+    async def exec(self, vm_id: str, **body: Any) -> list[dict[str, Any]]:
+        resp = await self.http.post(f"/vms/{vm_id}/exec", json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["content-type"] == "application/x-ndjson"
+        return [json.loads(line) for line in resp.text.splitlines()]
+
+    async def run(self, vm_id: str, cmd: str) -> str:
+        events = await self.exec(vm_id, cmd=cmd)
+        assert events[-1]["type"] == "exit" and events[-1]["exit_code"] == 0, events
+        return stdout_of(events).decode()
+
+    async def state(self, vm_id: str) -> str | None:
+        health = (await self.http.get("/health")).json()
+        return next((vm["state"] for vm in health["vms"] if vm["id"] == vm_id), None)
+
+
+def stdout_of(events: list[dict[str, Any]], stream: str = "stdout") -> bytes:
+    return b"".join(base64.b64decode(e["data"]) for e in events if e["type"] == stream)
+
+
+async def counter(w: Worker, vm_id: str) -> int:
+    # The loop rewrites the file: it can be missing or empty for an instant.
+    return int((await w.run(vm_id, "cat /tmp/counter 2>/dev/null || true")).strip() or 0)
+
+
+async def counter_advances(w: Worker, vm_id: str) -> bool:
+    before = await counter(w, vm_id)
+    for _ in range(50):
+        await asyncio.sleep(0.2)
+        if await counter(w, vm_id) > before:
+            return True
+    return False
+
+
+async def process_ends(w: Worker, vm_id: str, pid: int) -> None:
+    for _ in range(100):
+        if (await w.exec(vm_id, argv=["kill", "-0", str(pid)]))[-1]["exit_code"] != 0:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"process {pid} outlived the stream that started it")
+
+
+@pytest.fixture(scope="module")
+async def runtime() -> LocalRuntime:
+    if os.geteuid() != 0:
+        pytest.fail("the worker tests need root (loop devices, btrfs, QEMU)")
+    return await local_runtime()
+
+
+@pytest.fixture(scope="module")
+async def worker(runtime: LocalRuntime) -> AsyncIterator[Worker]:
+    w = Worker(runtime, f"test-{uuid.uuid4().hex[:8]}")
+    await w.start()
+    try:
+        yield w
+    finally:
+        if w._server is not None:
+            await w.stop(stop_vms=True)
+        shutil.rmtree(w.manager.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+async def vm(worker: Worker) -> str:
+    """The module's main VM: the first create, which builds the base snapshot."""
+    resp = await worker.http.put(
+        "/vms/main", json={"template": "base", "env": {"FROM_SANDBOX": "yes", "BOTH": "sandbox"}}
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["boot"] == "cold"
+    return "main"
+
+
+async def test_every_route_needs_the_secret(worker: Worker) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET}):
+        async with httpx.AsyncClient(base_url=worker.url, headers=headers) as anon:
+            for method, path in (("GET", "/health"), ("PUT", "/vms/x"), ("GET", "/nowhere")):
+                resp = await anon.request(method, path)
+                assert resp.status_code == 401, (headers, path)
+                assert resp.headers["content-type"] == "application/problem+json"
+                assert resp.json()["status"] == 401
+            with pytest.raises(WebSocketUpgradeError) as e:
+                async with aconnect_ws(f"{worker.url}/vms/x/exec/ws", anon):
+                    pass
+            assert e.value.response.status_code == 401
+    health = (await worker.http.get("/health")).json()
+    assert health["worker_id"] == worker.worker_id
+    assert health["capacity"] == {"vcpus": 8, "memory_mib": 4096}
+
+
+async def test_create_restores_the_base_snapshot_and_is_idempotent(worker: Worker, vm: str) -> None:
+    started = time.perf_counter()
+    resp = await worker.http.put("/vms/second", json={"hostname": "second-host"})
+    elapsed = time.perf_counter() - started
+    assert resp.status_code == 200, resp.text
+    second = resp.json()
+    assert (second["id"], second["state"], second["boot"]) == ("second", "running", "restore")
+    cold = await worker.http.put(f"/vms/{vm}", json={"template": "base"})
+    assert cold.json()["boot"] == "cold"  # the same answer again: nothing new was made
+    assert second["took_ms"] * 5 < cold.json()["took_ms"], (second, cold.json())
+    assert elapsed < 3, elapsed
+    assert await worker.run("second", "hostname") == "second-host\n"
+    again = await worker.http.put("/vms/second", json={"hostname": "second-host"})
+    assert again.json() == second
+    health = (await worker.http.get("/health")).json()
+    assert {"id": "second", "state": "running"} in health["vms"]
+    assert health["used"] == {"vcpus": 2, "memory_mib": 512}
+    assert (await worker.http.delete("/vms/second")).status_code == 204
+
+
+async def test_concurrent_creates_share_one_base_build(worker: Worker, vm: str) -> None:
+    shape = {"memory_mib": 192}
+    answers = await asyncio.gather(
+        worker.http.put("/vms/twin-a", json=shape),
+        worker.http.put("/vms/twin-b", json=shape),
+        worker.http.put("/vms/twin-b", json=shape),
+    )
+    assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+    assert sorted(r.json()["boot"] for r in answers[:2]) == ["cold", "restore"]
+    assert answers[1].json() == answers[2].json()  # one VM, asked for twice at once
+    assert sorted(p.name for p in worker.manager.base_dir.iterdir()) == [
+        "base-1-192", "base-1-256",
+    ]  # fmt: skip
+    assert list(worker.manager.building_dir.iterdir()) == []
+    for vm_id in ("twin-a", "twin-b"):
+        assert (await worker.http.delete(f"/vms/{vm_id}")).status_code == 204
+
+
+async def test_create_refuses_bad_requests_clearly(worker: Worker, vm: str) -> None:
+    cases: list[tuple[Any, int, str]] = [
+        (b"{not json", 400, "invalid request body"),
+        ({"vcpus": 0}, 400, "vcpus"),
+        ({"memory_mib": "lots"}, 400, "memory_mib"),
+        ({"env": {"1BAD": "x"}}, 400, "env"),
+        ({"surprise": 1}, 400, "surprise"),
+        ({"template": "nope"}, 404, "no template 'nope'"),
+        ({"vcpus": 9}, 507, "no room for 9 vCPUs"),
+        ({"memory_mib": 8192}, 507, "no room for 8192 MiB"),
+    ]
+    for body, status, words in cases:
+        kw: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
+        resp = await worker.http.put("/vms/refused", **kw)
+        assert resp.status_code == status, (body, resp.text)
+        assert resp.headers["content-type"] == "application/problem+json"
+        assert words in resp.json()["detail"], resp.json()
+    resp = await worker.http.put("/vms/bad.id", json={})
+    assert resp.status_code == 400
+    # An existing VM asked for with another shape is a conflict, not a silent success.
+    resp = await worker.http.put(f"/vms/{vm}", json={"vcpus": 2})
+    assert resp.status_code == 409 and resp.json()["state"] == "running"
+    assert "refused" not in {v["id"] for v in (await worker.http.get("/health")).json()["vms"]}
+
+
+async def test_exec_streams_ndjson_events(worker: Worker, vm: str) -> None:
+    events = await worker.exec(
+        vm,
+        cmd='echo out; echo err >&2; echo "$FROM_SANDBOX $BOTH"; exit 3',
+        env={"BOTH": "exec"},
+    )
+    assert events[0]["type"] == "start" and events[0]["pid"] > 1
+    assert stdout_of(events) == b"out\nyes exec\n"
+    assert stdout_of(events, "stderr") == b"err\n"
+    end = events[-1]
+    assert end["type"] == "exit"
+    assert (end["exit_code"], end["signal"], end["timed_out"]) == (3, None, False)
+    assert end["duration_ms"] > 0
+
+    data = os.urandom(300_000)
+    events = await worker.exec(vm, argv=["sha256sum"], stdin=base64.b64encode(data).decode())
+    assert stdout_of(events).split()[0].decode() == hashlib.sha256(data).hexdigest()
+
+    events = await worker.exec(vm, cmd="sleep 30", timeout=0.5)
+    assert events[-1]["timed_out"] is True
+
+    # A client that stops reading takes its process with it.
+    async with worker.http.stream(
+        "POST", f"/vms/{vm}/exec", json={"cmd": "exec sleep 1000"}
+    ) as resp:
+        lines = resp.aiter_lines()
+        pid = json.loads(await anext(lines))["pid"]
+    await process_ends(worker, vm, pid)
+
+    events = await worker.exec(vm, argv=["/usr/bin/nope"])
+    assert [e["type"] for e in events] == ["error"]
+    assert events[0]["code"] == "not_found" and "/usr/bin/nope" in events[0]["message"]
+
+
+async def test_exec_refuses_bad_bodies(worker: Worker, vm: str) -> None:
+    for body in (
+        {},
+        {"cmd": "true", "argv": ["true"]},
+        {"cmd": "cat", "stdin": "not base64!"},
+        {"argv": []},
+        {"cmd": "true", "cwd": "relative"},
+        {"cmd": "true", "timeout": -1},
+        {"cmd": "true", "pty": True},
+    ):
+        resp = await worker.http.post(f"/vms/{vm}/exec", json=body)
+        assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["detail"], resp.json()
+    resp = await worker.http.post(f"/vms/{vm}/exec", content=b"[1, 2")
+    assert resp.status_code == 400 and "invalid request body" in resp.json()["detail"]
+    resp = await worker.http.post("/vms/nobody/exec", json={"cmd": "true"})
+    assert resp.status_code == 404 and "no VM 'nobody'" in resp.json()["detail"]
+
+
+async def ws_collect(ws: Any, until: bytes, timeout: float = 30) -> bytes:
+    """Terminal output until `until` appears in it."""
+    out = b""
+    deadline = time.monotonic() + timeout
+    while until not in out:
+        msg = await ws.receive(timeout=max(0.1, deadline - time.monotonic()))
+        assert isinstance(msg, wse.BytesMessage), msg
+        assert msg.data[:1] == b"\x01"
+        out += bytes(msg.data[1:])
+    return out
+
+
+async def ws_exit(ws: Any) -> dict[str, Any]:
+    while True:
+        msg = await ws.receive(timeout=30)
+        if isinstance(msg, wse.TextMessage):
+            event: dict[str, Any] = json.loads(msg.data)
+            assert event["type"] == "exit", event
+            return event
+
+
+async def test_websocket_exec_with_a_pty(worker: Worker, vm: str) -> None:
+    async with aconnect_ws(f"{worker.url}/vms/{vm}/exec/ws", worker.http) as ws:
+        await ws.send_text(json.dumps({"argv": ["sh"], "pty": True, "rows": 30, "cols": 90}))
+        start = json.loads(await ws.receive_text(timeout=30))
+        assert start["type"] == "start" and start["pid"] > 1
+        await ws.send_bytes(b"echo hi-$((40+2)); tty; stty size\n")
+        out = await ws_collect(ws, b"30 90")
+        assert b"hi-42\r\n" in out and b"/dev/pts/" in out
+        await ws.send_text(json.dumps({"resize": [40, 100]}))
+        await ws.send_bytes(b"stty size\n")
+        await ws_collect(ws, b"40 100")
+        await ws.send_text(json.dumps({"bogus": True}))
+        error = json.loads(await ws.receive_text(timeout=30))
+        assert error["type"] == "error" and error["code"] == "invalid"
+        await ws.send_bytes(b"exit 7\n")
+        assert (await ws_exit(ws))["exit_code"] == 7
+
+
+async def test_websocket_exec_pipes_stdin_and_reports_errors(worker: Worker, vm: str) -> None:
+    async with aconnect_ws(f"{worker.url}/vms/{vm}/exec/ws", worker.http) as ws:
+        await ws.send_text(json.dumps({"cmd": "cat; echo done >&2"}))
+        assert json.loads(await ws.receive_text(timeout=30))["type"] == "start"
+        await ws.send_bytes(b"through cat\n")
+        assert await ws_collect(ws, b"through cat\n") == b"through cat\n"
+        await ws.send_text(json.dumps({"eof": True}))
+        msg = await ws.receive(timeout=30)
+        assert isinstance(msg, wse.BytesMessage) and bytes(msg.data) == b"\x02done\n"
+        assert (await ws_exit(ws))["exit_code"] == 0
+    async with aconnect_ws(f"{worker.url}/vms/{vm}/exec/ws", worker.http) as ws:
+        await ws.send_text(json.dumps({"argv": []}))
+        error = json.loads(await ws.receive_text(timeout=30))
+        assert error["type"] == "error" and error["status"] == 400, error
+    async with aconnect_ws(f"{worker.url}/vms/nobody/exec/ws", worker.http) as ws:
+        await ws.send_text(json.dumps({"cmd": "true"}))
+        error = json.loads(await ws.receive_text(timeout=30))
+        assert error["type"] == "error" and error["status"] == 404, error
+    # A client that leaves takes its process with it.
+    async with aconnect_ws(f"{worker.url}/vms/{vm}/exec/ws", worker.http) as ws:
+        await ws.send_text(json.dumps({"cmd": "exec sleep 1000"}))
+        pid = json.loads(await ws.receive_text(timeout=30))["pid"]
+    await process_ends(worker, vm, pid)
+
+
+async def test_files_stream_both_ways(worker: Worker, vm: str) -> None:
+    size = 20 << 20
+    digest = hashlib.sha256()
+
+    async def blocks() -> AsyncIterator[bytes]:
+        for _ in range(size // (1 << 20)):
+            block = os.urandom(1 << 20)
+            digest.update(block)
+            yield block
+
+    files = f"/vms/{vm}/files"
+    resp = await worker.http.put(
+        files, params={"path": "/root/up/blob", "make_parents": "true", "mode": 0o600},
+        content=blocks(),
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"size": size}
+    assert (await worker.run(vm, "sha256sum /root/up/blob")).split()[0] == digest.hexdigest()
+
+    back = hashlib.sha256()
+    async with worker.http.stream("GET", files, params={"path": "/root/up/blob"}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"] == "application/octet-stream"
+        async for chunk in resp.aiter_bytes():
+            back.update(chunk)
+    assert back.hexdigest() == digest.hexdigest()
+
+    stat = (await worker.http.get(f"{files}/stat", params={"path": "/root/up/blob"})).json()
+    assert (stat["name"], stat["type"], stat["size"], stat["mode"]) == ("blob", "file", size, 0o600)
+    made = await worker.http.post(f"{files}/mkdir", params={"path": "/root/up/a/b"})
+    assert made.status_code == 200 and made.json()["type"] == "directory"
+    listing = (await worker.http.get(f"{files}/list", params={"path": "/root/up"})).json()
+    assert [(e["name"], e["type"]) for e in listing["entries"]] == [
+        ("a", "directory"), ("blob", "file"),
+    ]  # fmt: skip
+    empty = await worker.http.put(files, params={"path": "/root/up/empty"}, content=b"")
+    assert empty.json() == {"size": 0}
+    assert (await worker.http.get(files, params={"path": "/root/up/empty"})).content == b""
+
+    not_empty = await worker.http.delete(files, params={"path": "/root/up"})
+    assert not_empty.status_code == 409 and not_empty.json()["code"] == "not_empty"
+    gone = await worker.http.delete(files, params={"path": "/root/up", "recursive": "true"})
+    assert gone.status_code == 204
+    for method, path in (("GET", files), ("GET", f"{files}/stat"), ("GET", f"{files}/list"),
+                         ("DELETE", files)):  # fmt: skip
+        resp = await worker.http.request(method, path, params={"path": "/root/up/blob"})
+        assert resp.status_code == 404, (method, path, resp.text)
+        assert resp.json()["code"] == "not_found"
+    assert (await worker.http.get(files, params={"path": "/root"})).status_code == 400
+    for params in ({"path": "relative"}, {}, {"path": "/x", "mode": "rw"}):
+        resp = await worker.http.put(files, params=params, content=b"x")
+        assert resp.status_code == 400, (params, resp.text)
+    exists = await worker.http.post(f"{files}/mkdir", params={"path": "/root", "parents": "0"})
+    assert exists.status_code == 409
+
+
+async def test_pause_resume_keeps_a_process_alive(worker: Worker, vm: str) -> None:
+    pid = (await worker.run(vm, COUNTER)).strip()
+    assert await counter_advances(worker, vm)
+    assert (await worker.http.post(f"/vms/{vm}/pause")).json() == {"state": "paused"}
+    assert (await worker.http.post(f"/vms/{vm}/pause")).json() == {"state": "paused"}
+    assert await worker.state(vm) == "paused"
+    for method, path in (("POST", "exec"), ("GET", "files/stat?path=/"), ("GET", "files?path=/x")):
+        resp = await worker.http.request(method, f"/vms/{vm}/{path}", json={"cmd": "true"})
+        assert resp.status_code == 409, (path, resp.text)
+        assert resp.json()["state"] == "paused"
+    assert (await worker.http.post(f"/vms/{vm}/resume")).json() == {"state": "running"}
+    assert (await worker.http.post(f"/vms/{vm}/resume")).json() == {"state": "running"}
+    assert await worker.run(vm, f"kill -0 {pid} && echo alive") == "alive\n"
+    assert await counter_advances(worker, vm)
+    await worker.run(vm, f"kill {pid}")
+    for verb in ("pause", "resume", "suspend"):
+        assert (await worker.http.post(f"/vms/nobody/{verb}")).status_code == 404
+
+
+async def test_suspend_and_resume_keep_processes_and_files(worker: Worker) -> None:
+    assert (await worker.http.put("/vms/sleeper", json={"hostname": "sleepy"})).status_code == 200
+    pid = (await worker.run("sleeper", COUNTER)).strip()
+    await worker.http.put("/vms/sleeper/files", params={"path": "/root/kept"}, content=b"kept")
+    assert await counter_advances(worker, "sleeper")
+    pids_before = worker.pids()
+
+    resp = await worker.http.post("/vms/sleeper/suspend")
+    assert resp.json() == {"state": "suspended"}, resp.text
+    assert (await worker.http.post("/vms/sleeper/suspend")).json() == {"state": "suspended"}
+    assert await worker.state("sleeper") == "suspended"
+    assert len(pids_before - worker.pids()) == 1  # its VMM process is gone
+    assert (worker.manager.suspended_dir / "sleeper" / "snapshot.json").exists()
+    assert not (worker.manager.vms_dir / "sleeper").exists()
+    resp = await worker.http.post("/vms/sleeper/exec", json={"cmd": "true"})
+    assert resp.status_code == 409 and resp.json()["state"] == "suspended"
+    assert (await worker.http.post("/vms/sleeper/pause")).status_code == 409
+    health = (await worker.http.get("/health")).json()
+    assert health["used"]["vcpus"] == 1  # a suspended VM holds no CPU or memory
+
+    started = time.perf_counter()
+    assert (await worker.http.post("/vms/sleeper/resume")).json() == {"state": "running"}
+    assert time.perf_counter() - started < 3
+    assert not (worker.manager.suspended_dir / "sleeper").exists()
+    assert await worker.run("sleeper", f"kill -0 {pid} && echo alive") == "alive\n"
+    assert await counter_advances(worker, "sleeper")
+    kept = await worker.http.get("/vms/sleeper/files", params={"path": "/root/kept"})
+    assert kept.content == b"kept"
+    assert await worker.run("sleeper", "hostname") == "sleepy\n"
+    # Suspended straight from paused, too.
+    await worker.http.post("/vms/sleeper/pause")
+    assert (await worker.http.post("/vms/sleeper/suspend")).json() == {"state": "suspended"}
+    assert (await worker.http.post("/vms/sleeper/resume")).json() == {"state": "running"}
+    assert await worker.run("sleeper", f"kill {pid} && cat /root/kept") == "kept"
+
+
+async def test_delete_removes_everything_and_is_idempotent(worker: Worker) -> None:
+    await worker.http.put("/vms/doomed", json={})
+    await worker.http.post("/vms/doomed/suspend")
+    await worker.http.put("/vms/doomed2", json={})
+    assert (worker.manager.vms_dir / "doomed2").is_dir()
+    assert (worker.manager.suspended_dir / "doomed").is_dir()
+    pids = worker.pids()
+    for vm_id in ("doomed", "doomed2"):
+        assert (await worker.http.delete(f"/vms/{vm_id}")).status_code == 204
+        assert (await worker.http.delete(f"/vms/{vm_id}")).status_code == 204
+        assert (
+            await worker.http.post(f"/vms/{vm_id}/exec", json={"cmd": "true"})
+        ).status_code == 404
+        assert await worker.state(vm_id) is None
+    assert not (worker.manager.vms_dir / "doomed2").exists()
+    assert not (worker.manager.suspended_dir / "doomed").exists()
+    assert len(pids - worker.pids()) == 1
+
+
+async def test_a_vm_whose_vmm_died_says_so(worker: Worker) -> None:
+    pids = worker.pids()
+    await worker.http.put("/vms/crashing", json={})
+    (pid,) = worker.pids() - pids
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(100):
+        health = (await worker.http.get("/health")).json()
+        entry = next(v for v in health["vms"] if v["id"] == "crashing")
+        if entry["state"] == "error":
+            break
+        await asyncio.sleep(0.05)
+    assert "killed by signal 9" in entry["reason"], entry
+    resp = await worker.http.post("/vms/crashing/exec", json={"cmd": "true"})
+    assert resp.status_code == 409 and "killed by signal 9" in resp.json()["detail"]
+    assert (await worker.http.post("/vms/crashing/pause")).status_code == 409
+    assert (await worker.http.delete("/vms/crashing")).status_code == 204
+    assert not (worker.manager.vms_dir / "crashing").exists()
+
+
+async def test_a_restarted_worker_adopts_its_vms(worker: Worker, vm: str) -> None:
+    await worker.http.put("/vms/napping", json={})
+    await worker.run("napping", "echo before > /root/mark")
+    await worker.http.post("/vms/napping/pause")
+    await worker.http.put("/vms/dormant", json={})
+    await worker.http.post("/vms/dormant/suspend")
+    pids = worker.pids()
+    await worker.http.put("/vms/victim", json={})
+    (victim,) = worker.pids() - pids
+    main_pid = (await worker.run(vm, "sleep 1000 >/dev/null 2>&1 & echo $!")).strip()
+
+    await worker.stop(stop_vms=False)
+    assert worker.pids() == pids | {victim}  # the VMs outlived their worker
+    os.kill(victim, signal.SIGKILL)  # one dies while no worker watches
+    (worker.manager.vms_dir / "halfmade").mkdir()  # a create cut short: no sandbox.json
+    await worker.start()
+
+    states = {v["id"]: v["state"] for v in (await worker.http.get("/health")).json()["vms"]}
+    assert states == {vm: "running", "sleeper": "running", "napping": "paused",
+                      "dormant": "suspended"}  # fmt: skip
+    assert worker.pids() == pids
+    assert sorted(p.name for p in worker.manager.vms_dir.iterdir()) == [
+        vm, "napping", "sleeper",
+    ]  # fmt: skip
+    assert await worker.run(vm, f"kill -0 {main_pid} && kill {main_pid} && echo ok") == "ok\n"
+    assert (await worker.exec(vm, cmd="echo $FROM_SANDBOX"))[1]["data"] == "eWVzCg=="  # yes\n
+    assert (await worker.http.post("/vms/napping/exec", json={"cmd": "true"})).status_code == 409
+    assert (await worker.http.post("/vms/napping/resume")).json() == {"state": "running"}
+    assert await worker.run("napping", "cat /root/mark") == "before\n"
+    assert (await worker.http.post("/vms/dormant/resume")).json() == {"state": "running"}
+    assert await worker.run("dormant", "echo awake") == "awake\n"
+    again = await worker.http.put(f"/vms/{vm}", json={})
+    assert again.json()["boot"] == "cold"  # what it was made by, remembered across the restart
+
+
+async def test_reconcile_removes_what_is_not_wanted(worker: Worker, vm: str) -> None:
+    await worker.http.post("/vms/dormant/suspend")
+    stray = worker.manager.vms_dir / "stray"
+    stray.mkdir()
+    (stray / "junk").write_text("left by nobody")
+    resp = await worker.http.post("/reconcile", json={"keep": [vm, "sleeper", "unknown"]})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"removed": ["dormant", "napping", "stray"]}
+    states = {v["id"] for v in (await worker.http.get("/health")).json()["vms"]}
+    assert states == {vm, "sleeper"}
+    assert sorted(p.name for p in worker.manager.vms_dir.iterdir()) == [vm, "sleeper"]
+    assert list(worker.manager.suspended_dir.iterdir()) == []
+    assert len(worker.pids()) == 2
+    for body in ({}, {"keep": "main"}, {"keep": [1]}):
+        assert (await worker.http.post("/reconcile", json=body)).status_code == 400
+
+
+async def test_nothing_is_left_behind(worker: Worker, vm: str) -> None:
+    assert (await worker.http.post("/reconcile", json={"keep": []})).json() == {
+        "removed": [vm, "sleeper"]
+    }
+    assert worker.pids() == set()
+    await worker.stop(stop_vms=True)
+    for d in (worker.manager.vms_dir, worker.manager.suspended_dir, worker.manager.building_dir):
+        assert list(d.iterdir()) == []
