@@ -242,6 +242,9 @@ async def test_create_refuses_bad_requests_clearly(worker: Worker, vm: str) -> N
         assert words in resp.json()["detail"], resp.json()
     resp = await worker.http.put("/vms/bad.id", json={})
     assert resp.status_code == 400
+    resp = await worker.http.patch(f"/vms/{vm}", json={})
+    assert resp.status_code == 405 and "PUT" in resp.headers["allow"]
+    assert resp.headers["content-type"] == "application/problem+json"
     # An existing VM asked for with another shape is a conflict, not a silent success.
     resp = await worker.http.put(f"/vms/{vm}", json={"vcpus": 2})
     assert resp.status_code == 409 and resp.json()["state"] == "running"
@@ -276,6 +279,12 @@ async def test_exec_streams_ndjson_events(worker: Worker, vm: str) -> None:
         lines = resp.aiter_lines()
         pid = json.loads(await anext(lines))["pid"]
     await process_ends(worker, vm, pid)
+
+    # A lost agent connection is made again on the next call.
+    machine = worker.manager.get(vm).machine
+    assert machine is not None
+    await machine.agent.close()
+    assert await worker.run(vm, "echo back") == "back\n"
 
     events = await worker.exec(vm, argv=["/usr/bin/nope"])
     assert [e["type"] for e in events] == ["error"]
@@ -313,13 +322,19 @@ async def ws_collect(ws: Any, until: bytes, timeout: float = 30) -> bytes:
     return out
 
 
-async def ws_exit(ws: Any) -> dict[str, Any]:
+async def ws_event(ws: Any) -> dict[str, Any]:
+    """The next event, skipping output."""
     while True:
         msg = await ws.receive(timeout=30)
         if isinstance(msg, wse.TextMessage):
             event: dict[str, Any] = json.loads(msg.data)
-            assert event["type"] == "exit", event
             return event
+
+
+async def ws_exit(ws: Any) -> dict[str, Any]:
+    event = await ws_event(ws)
+    assert event["type"] == "exit", event
+    return event
 
 
 async def test_websocket_exec_with_a_pty(worker: Worker, vm: str) -> None:
@@ -334,10 +349,11 @@ async def test_websocket_exec_with_a_pty(worker: Worker, vm: str) -> None:
         await ws.send_bytes(b"stty size\n")
         await ws_collect(ws, b"40 100")
         await ws.send_text(json.dumps({"bogus": True}))
-        error = json.loads(await ws.receive_text(timeout=30))
+        error = await ws_event(ws)  # the shell's prompt may come first
         assert error["type"] == "error" and error["code"] == "invalid"
         await ws.send_bytes(b"exit 7\n")
-        assert (await ws_exit(ws))["exit_code"] == 7
+        end = await ws_exit(ws)
+        assert (end["exit_code"], end["signal"], end["timed_out"]) == (7, None, False)
 
 
 async def test_websocket_exec_pipes_stdin_and_reports_errors(worker: Worker, vm: str) -> None:

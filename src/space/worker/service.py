@@ -16,7 +16,7 @@ import hmac
 import json
 import logging
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from http import HTTPStatus
 from typing import Annotated, Any, TypeVar, cast
 
@@ -91,7 +91,7 @@ class Problem(Exception):
 
 
 def problem(
-    status: int, detail: str, headers: dict[str, str] | None = None, **extra: Any
+    status: int, detail: str, headers: Mapping[str, str] | None = None, **extra: Any
 ) -> Response:
     body = {
         "type": "about:blank",
@@ -401,9 +401,14 @@ class WorkerAPI:
         except AgentError as e:
             await _ws_fail(ws, e)
             return
-        await ws.send_json({"type": "start", "pid": proc.pid})
+        try:
+            await ws.send_json({"type": "start", "pid": proc.pid})
+        except WebSocketDisconnect:
+            await _kill(proc)
+            return
         if body.stdin:
-            await proc.write(body.stdin)
+            with contextlib.suppress(AgentError):  # a lost agent shows in the output's end
+                await proc.write(body.stdin)
         output = asyncio.ensure_future(_ws_output(ws, proc))
         control = asyncio.ensure_future(_ws_input(ws, proc))
         try:
@@ -560,7 +565,7 @@ async def _on_problem(request: Request, e: Exception) -> Response:
 
 async def _on_http(request: Request, e: Exception) -> Response:
     assert isinstance(e, HTTPException)
-    return problem(e.status_code, str(e.detail))
+    return problem(e.status_code, str(e.detail), headers=e.headers)
 
 
 async def _on_unexpected(request: Request, e: Exception) -> Response:

@@ -1,0 +1,129 @@
+"""The Python SDK (sync and async) and the `space` CLI against the real stack."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import space
+
+from .conftest import Platform
+
+pytestmark = pytest.mark.vm
+
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
+    ">/dev/null 2>&1 & echo $!"
+)
+
+
+def _advances(sb: space.Sandbox) -> bool:
+    first = sb.exec("cat /tmp/counter").stdout
+    for _ in range(30):
+        time.sleep(0.2)
+        if sb.exec("cat /tmp/counter").stdout != first:
+            return True
+    return False
+
+
+def test_sync_sdk_full_lifecycle(platform: Platform) -> None:
+    with (
+        space.Space(platform.api_url, platform.key_a) as client,
+        space.Sandbox.create(client=client, env={"WHO": "sdk"}, metadata={"via": "sdk"}) as sb,
+    ):
+        assert sb.state == "running"
+        seen: list[bytes] = []
+        r = sb.exec('echo "$WHO"; echo err >&2; exit 4', on_stdout=seen.append)
+        assert (r.stdout, r.stderr, r.exit_code, r.ok) == (b"sdk\n", b"err\n", 4, False)
+        assert b"".join(seen) == b"sdk\n"
+        assert sb.exec(["sha256sum"], stdin=b"abc").stdout.startswith(
+            hashlib.sha256(b"abc").hexdigest().encode()
+        )
+
+        blob = os.urandom(5 << 20)
+        assert sb.files.write("/root/blob", blob) == len(blob)
+        assert hashlib.sha256(sb.files.read("/root/blob")).digest() == hashlib.sha256(blob).digest()
+        assert "blob" in [e.name for e in sb.files.list("/root")]
+        with pytest.raises(space.NotFoundError):
+            sb.files.read("/does/not/exist")
+
+        pid = int(sb.exec(COUNTER).stdout)
+        assert sb.pause().state == "paused"
+        with pytest.raises(space.ConflictError) as e:
+            sb.pause()
+        assert e.value.state == "paused"
+        assert sb.resume().state == "running"
+        assert sb.suspend().state == "suspended"
+        assert sb.resume().state == "running"
+        assert sb.exec(["kill", "-0", str(pid)]).ok, "the process must survive suspend/resume"
+        assert _advances(sb)
+        assert sb.files.read("/root/blob") == blob
+        sid = sb.id
+    with space.Space(platform.api_url, platform.key_a) as client:
+        assert space.Sandbox.get(sid, client=client).state == "deleted"  # the `with` deleted it
+
+
+async def test_async_sdk_streams_and_files(platform: Platform) -> None:
+    async with space.AsyncSpace(platform.api_url, platform.key_a) as client:
+        sb = await space.AsyncSandbox.create(client=client)
+        try:
+            chunks = []
+            stream = sb.exec_stream("for i in 1 2 3; do echo $i; sleep 0.2; done")
+            async with stream:
+                async for kind, data in stream:
+                    chunks.append((kind, data, time.monotonic()))
+            assert b"".join(d for _, d, _ in chunks) == b"1\n2\n3\n"
+            assert chunks[-1][2] - chunks[0][2] > 0.2, "output must stream, not arrive at the end"
+            assert stream.result is not None and stream.result.exit_code == 0
+            await sb.files.write("/root/a.txt", "text")
+            assert await sb.files.read("/root/a.txt") == b"text"
+        finally:
+            await sb.delete()
+
+
+def test_sdk_errors_are_typed(platform: Platform) -> None:
+    with (
+        space.Space(platform.api_url, "sk_space_nope_nope") as bad,
+        pytest.raises(space.AuthenticationError),
+    ):
+        space.Sandbox.get("sb-anything", client=bad)
+    with space.Space(platform.api_url, platform.key_b) as other, pytest.raises(space.NotFoundError):
+        space.Sandbox.get("sb-0000000000000000", client=other)
+    with (
+        space.Space(platform.api_url, platform.key_a) as client,
+        pytest.raises(space.ValidationError),
+    ):
+        space.Sandbox.create(client=client, vcpus=0)
+
+
+def test_cli_create_exec_cp_rm(platform: Platform, tmp_path: Path) -> None:
+    env = {**os.environ, "SPACE_API_URL": platform.api_url, "SPACE_API_KEY": platform.key_a}
+    cli = [sys.executable, "-m", "space.cli.main"]
+
+    def space_cli(*args: str, **kw: object) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([*cli, *args], env=env, capture_output=True, timeout=300, **kw)  # type: ignore[call-overload, no-any-return]
+
+    made = space_cli("sandbox", "create")
+    assert made.returncode == 0, made.stderr
+    sid = made.stdout.decode().split()[0]
+    try:
+        r = space_cli("exec", sid, "--", "sh", "-c", "echo out; echo err >&2; exit 5")
+        assert (r.returncode, r.stdout, r.stderr) == (5, b"out\n", b"err\n")
+        src = tmp_path / "up.bin"
+        src.write_bytes(os.urandom(2 << 20))
+        assert space_cli("cp", str(src), f"{sid}:/root/up.bin").returncode == 0
+        back = tmp_path / "down.bin"
+        assert space_cli("cp", f"{sid}:/root/up.bin", str(back)).returncode == 0
+        assert back.read_bytes() == src.read_bytes()
+        listing = space_cli("sandbox", "ls")
+        assert sid in listing.stdout.decode()
+        missing = space_cli("exec", "sb-nonexistent", "--", "true")
+        assert missing.returncode != 0 and b"Traceback" not in missing.stderr
+    finally:
+        assert space_cli("sandbox", "rm", sid).returncode == 0
