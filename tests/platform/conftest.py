@@ -26,6 +26,8 @@ import pytest
 from space.db import embedded, migrate
 from space.db.store import Store, connect
 
+from ..vm.conftest import vmm_pids
+
 pytestmark = pytest.mark.vm
 
 SPACE = [sys.executable, "-m", "space.cli.main"]
@@ -179,5 +181,11 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
             pass
         for svc in (p.api, p.controller, *p.workers.values()):
             svc.stop()
+        # Whatever a failed test left behind: these workers' VMs, disks and snapshots.
+        pool = Path("/var/lib/space/pool/workers")
+        for wid in p.workers:
+            for pid in vmm_pids(pool / wid):
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(pool / wid, ignore_errors=True)
         embedded.stop(pgdata)
         shutil.rmtree(pgdata, ignore_errors=True)

@@ -120,11 +120,8 @@ def test_two_workers_share_the_load(platform: Platform) -> None:
 
 def _platform_vmms(worker_ids: list[str]) -> set[int]:
     """VMM processes of these workers only (other deployments may share the host)."""
-    marks = [f"/workers/{w}/".encode() for w in worker_ids]
-    return {
-        pid for pid in vmm_pids()
-        if any(m in Path(f"/proc/{pid}/cmdline").read_bytes() for m in marks)
-    }  # fmt: skip
+    pool = Path("/var/lib/space/pool/workers")
+    return set().union(*(vmm_pids(pool / w) for w in worker_ids))
 
 
 def _host_resources(worker_ids: list[str]) -> dict[str, object]:

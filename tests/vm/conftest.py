@@ -14,8 +14,8 @@ from space.worker.machine import Machine
 pytestmark = pytest.mark.vm
 
 
-def vmm_pids() -> set[int]:
-    """Every VMM process of ours on this host, whoever started it."""
+def vmm_pids(under: Path | None = None) -> set[int]:
+    """VMM processes of ours on this host; with `under`, only those whose VM lives there."""
     pids = set()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -23,7 +23,8 @@ def vmm_pids() -> set[int]:
                 cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if cmdline.startswith(b"qemu-system") and b"\0-name\0space-" in cmdline:
+            ours = cmdline.startswith(b"qemu-system") and b"\0-name\0space-" in cmdline
+            if ours and (under is None or f"{under}/".encode() in cmdline):
                 pids.add(int(proc.name))
     return pids
 
@@ -31,7 +32,7 @@ def vmm_pids() -> set[int]:
 def leftovers(rt: LocalRuntime) -> dict[str, object]:
     """What VMs leave on a host: processes, run directories, sockets."""
     return {
-        "processes": vmm_pids(),
+        "processes": vmm_pids(rt.pool.vms),
         "vm_dirs": sorted(p.name for p in rt.pool.vms.iterdir()),
         "open_fds": len(os.listdir("/proc/self/fd")),
     }

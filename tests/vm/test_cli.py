@@ -26,12 +26,14 @@ def space(*args: str, input: bytes | None = None) -> subprocess.CompletedProcess
 
 def test_cli_boot_exec_snapshot_restore_rm(runtime: LocalRuntime, tmp_path: Path) -> None:
     vm_id, clone_id = f"cli{uuid.uuid4().hex[:6]}", f"clone{uuid.uuid4().hex[:6]}"
-    before = vmm_pids()
+    before = vmm_pids(runtime.pool.vms)
     try:
         boot = space("vm", "boot", "--id", vm_id)
         assert boot.returncode == 0, boot.stderr.decode()
         assert vm_id in boot.stdout.decode()
-        assert len(vmm_pids() - before) == 1  # the VM outlives the command that booted it
+        assert (
+            len(vmm_pids(runtime.pool.vms) - before) == 1
+        )  # the VM outlives the command that booted it
 
         r = space("vm", "exec", vm_id, "--", "sh", "-c", "uname -r; echo oops >&2; exit 3")
         assert r.returncode == 3
@@ -57,5 +59,5 @@ def test_cli_boot_exec_snapshot_restore_rm(runtime: LocalRuntime, tmp_path: Path
     finally:
         space("vm", "rm", vm_id)
         space("vm", "rm", clone_id)
-    assert vmm_pids() == before
+    assert vmm_pids(runtime.pool.vms) == before
     assert not (runtime.pool.vms / vm_id).exists()

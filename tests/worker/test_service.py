@@ -27,7 +27,7 @@ from httpx_ws import WebSocketUpgradeError, aconnect_ws
 
 from space.worker.local import LocalRuntime, local_runtime
 from space.worker.service import serve
-from space.worker.vms import VMManager
+from space.worker.vms import VMManager, VMManagerError
 from tests.vm.conftest import vmm_pids
 
 pytestmark = pytest.mark.vm
@@ -541,6 +541,8 @@ async def test_a_restarted_worker_adopts_its_vms(worker: Worker, vm: str) -> Non
     (victim,) = worker.pids() - pids
     main_pid = (await worker.run(vm, "sleep 1000 >/dev/null 2>&1 & echo $!")).strip()
 
+    with pytest.raises(VMManagerError, match="another process runs worker"):
+        await VMManager(worker.runtime, worker.worker_id).start()
     await worker.stop(stop_vms=False)
     assert worker.pids() == pids | {victim}  # the VMs outlived their worker
     os.kill(victim, signal.SIGKILL)  # one dies while no worker watches
@@ -570,9 +572,16 @@ async def test_reconcile_removes_what_is_not_wanted(worker: Worker, vm: str) -> 
     stray = worker.manager.vms_dir / "stray"
     stray.mkdir()
     (stray / "junk").write_text("left by nobody")
-    resp = await worker.http.post("/reconcile", json={"keep": [vm, "sleeper", "unknown"]})
+    keep = {"keep": [vm, "sleeper", "unknown"]}
+    # VMs made (or adopted) moments ago survive: the keep-list may have been read before them.
+    worker.manager.reconcile_grace_s = 3600
+    resp = await worker.http.post("/reconcile", json=keep)
     assert resp.status_code == 200, resp.text
-    assert resp.json() == {"removed": ["dormant", "napping", "stray"]}
+    assert resp.json() == {"removed": ["stray"]}
+    worker.manager.reconcile_grace_s = 0
+    assert (await worker.http.post("/reconcile", json=keep)).json() == {
+        "removed": ["dormant", "napping"]
+    }
     states = {v["id"] for v in (await worker.http.get("/health")).json()["vms"]}
     assert states == {vm, "sleeper"}
     assert sorted(p.name for p in worker.manager.vms_dir.iterdir()) == [vm, "sleeper"]

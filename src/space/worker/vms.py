@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from space.worker.vmm.qemu import QMP_SOCKET, QemuDriver
 log = logging.getLogger(__name__)
 
 SANDBOX_FILE = "sandbox.json"
+LOCK_FILE = "worker.lock"
 IMAGES_FILE = "images.json"
 VM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 UNREADABLE = (OSError, ValueError, KeyError, TypeError)  # what a damaged sandbox.json raises
@@ -175,6 +177,7 @@ class VMManager:
         self._reserved: dict[str, tuple[int, int]] = {}
         self._locks = KeyedLock()
         self._base_locks = KeyedLock()
+        self._lock_fd: int | None = None
 
     # --- the worker's lifetime ---------------------------------------------------------------
 
@@ -182,6 +185,7 @@ class VMManager:
         """Adopt the VMs a previous worker process left running; list the suspended ones."""
         for d in (self.vms_dir, self.suspended_dir, self.base_dir, self.building_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
         # Work a previous process did not finish: base builds and half-written snapshots.
         for run_dir in self.building_dir.iterdir():
             await _kill_leftover(run_dir)
@@ -199,7 +203,7 @@ class VMManager:
             try:
                 sb = SandboxVM.load(vm_id, run_dir, None)
                 sb.machine = await self._adopt(run_dir)
-            except (VMMError, AgentError, *UNREADABLE) as e:
+            except (VMMError, AgentError, TimeoutError, *UNREADABLE) as e:
                 log.warning("VM %s could not be adopted, removing it: %s", vm_id, e)
                 await _kill_leftover(run_dir)
                 continue
@@ -212,8 +216,21 @@ class VMManager:
                 log.warning("suspended sandbox %s is unreadable, removing it: %s", vm_id, e)
                 shutil.rmtree(self.suspended_dir / vm_id, ignore_errors=True)
 
+    def _take_lock(self) -> None:
+        """One process per worker directory: a second would fight the first over its VMs."""
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise VMManagerError(
+                f"another process runs worker {self.worker_id} (it holds {self.root / LOCK_FILE})"
+            ) from None
+        self._lock_fd = fd
+
     async def _adopt(self, run_dir: Path) -> Machine:
-        vm = await self.driver.adopt(run_dir)
+        # A wedged VMM may never greet us on its QMP socket.
+        vm = await asyncio.wait_for(self.driver.adopt(run_dir), ADOPT_TIMEOUT_S)
         try:
             paused = vm.status().state == VMState.PAUSED
             if paused:
@@ -241,6 +258,9 @@ class VMManager:
             else:
                 await sb.machine.detach()
         self._vms.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
 
     # --- queries -----------------------------------------------------------------------------
 
