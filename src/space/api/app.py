@@ -65,7 +65,7 @@ async def serve(database_url: str, worker_secret: str, host: str, port: int) -> 
         host=host,
         port=port,
         log_level="warning",
-        ws="websockets",
+        ws="wsproto",
         timeout_graceful_shutdown=5,
     )
     await uvicorn.Server(config).serve()

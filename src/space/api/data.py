@@ -77,9 +77,9 @@ async def exec_ws(websocket: WebSocket, sandbox_id: str) -> None:
         async with connection as up:
             await _pump_ws(websocket, up)
     except (HTTPXWSException, httpx.TransportError) as e:
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect):
             await websocket.send_json({"type": "error", "code": "upstream", "message": str(e)})
-    with contextlib.suppress(RuntimeError):
+    with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the client may be gone
         await websocket.close()
 
 

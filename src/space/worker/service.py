@@ -422,7 +422,7 @@ class WorkerAPI:
                     asyncio.CancelledError, WebSocketDisconnect, RuntimeError, AgentError
                 ):
                     await task
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the peer may be gone
             await ws.close()
 
     # --- files ---
