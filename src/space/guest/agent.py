@@ -38,7 +38,7 @@ from typing import Any
 from . import protocol as p
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-HOST_POLL_S = 0.01  # how often a disconnected virtio port is checked for the host coming back
+HOST_POLL_S = 0.5  # a disconnected virtio port is checked this often even without a SIGIO
 STDIN_BUFFER_LIMIT = 64 << 20
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
@@ -821,12 +821,21 @@ class Agent:
         fd = os.open(device, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        # A port whose host side is closed polls as hung up, and poll() gives no wake-up when
+        # the host connects; the port's SIGIO does (set only while waiting: it also fires for
+        # every piece of data).
+        host_changed = asyncio.Event()
+        loop.add_signal_handler(signal.SIGIO, host_changed.set)
+        fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         log(f"serving on {device}")
         while True:
-            # A port whose host side is closed polls as hung up; wait for the host to connect.
-            # The port raises no event when the host connects, so it is polled.
-            while any(ev & select.POLLHUP for _, ev in poller.poll(0)):  # noqa: ASYNC110
-                await asyncio.sleep(HOST_POLL_S)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC)
+            while any(ev & select.POLLHUP for _, ev in poller.poll(0)):
+                host_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(host_changed.wait(), HOST_POLL_S)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
             reader = asyncio.StreamReader(limit=p.MAX_PAYLOAD * 4)
             rtrans, _ = await loop.connect_read_pipe(
                 lambda r=reader: asyncio.StreamReaderProtocol(r),  # type: ignore[misc]

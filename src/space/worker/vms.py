@@ -164,7 +164,8 @@ class VMManager:
         self.pool = runtime.pool
         self.driver: QemuDriver = runtime.driver
         self.templates: dict[str, BootImages] = dict(templates or {"base": runtime.images})
-        self.capacity_vcpus = capacity_vcpus or (os.cpu_count() or 1) * 4
+        # vCPUs are overcommitted (idle sandboxes barely use theirs); memory is the real bound.
+        self.capacity_vcpus = capacity_vcpus or (os.cpu_count() or 1) * 16
         self.capacity_memory_mib = capacity_memory_mib or _mem_total_mib() * 3 // 4
         # A VM younger than this survives /reconcile: the caller's keep-list may predate it.
         self.reconcile_grace_s = reconcile_grace_s

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from typing import Any
 
 from space.worker.vmm.base import VMGone, VMMError
 
@@ -27,15 +28,20 @@ class VMMProcess:
         self._watching = False
 
     @classmethod
-    def spawn(cls, argv: list[str], log_path: Path) -> VMMProcess:
+    def spawn(
+        cls, argv: list[str], log_path: Path, read_files: dict[int, Path] | None = None
+    ) -> VMMProcess:
+        """Start `argv` in a session of its own; `read_files` opens files on given fds for it."""
         binary = shutil.which(argv[0])
         if binary is None:
             raise VMMError(f"{argv[0]} not found")
-        actions = [
+        actions: list[tuple[Any, ...]] = [
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_OPEN, 1, str(log_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
             (os.POSIX_SPAWN_DUP2, 1, 2),
         ]
+        for fd, path in (read_files or {}).items():
+            actions.append((os.POSIX_SPAWN_OPEN, fd, str(path), os.O_RDONLY, 0))
         pid = os.posix_spawn(binary, argv, dict(os.environ), file_actions=actions, setsid=True)
         return cls(pid, os.pidfd_open(pid), is_child=True)
 

@@ -47,6 +47,7 @@ AGENT_SOCKET = "agent.sock"
 CONSOLE_LOG = "console.log"
 QEMU_LOG = "qemu.log"
 VM_FILE = "vm.json"
+STATE_FD = 3
 SOCKET_WAIT_S = 10.0
 MIGRATE_BANDWIDTH = 8 << 30  # bytes/s; QEMU's default (32 MiB/s) would make snapshots crawl
 
@@ -323,7 +324,13 @@ class QemuDriver(Driver):
             ]  # fmt: skip
         return argv
 
-    async def _launch(self, config: VMConfig, run_dir: Path, extra: list[str]) -> QemuVM:
+    async def _launch(
+        self,
+        config: VMConfig,
+        run_dir: Path,
+        extra: list[str],
+        read_files: dict[int, Path] | None = None,
+    ) -> QemuVM:
         if shutil.which(self.binary) is None:
             raise VMMError(f"{self.binary} not found: install the qemu-system-x86 package")
         for path in (config.kernel, config.rootfs, config.initrd):
@@ -333,7 +340,9 @@ class QemuDriver(Driver):
         for name in (QMP_SOCKET, AGENT_SOCKET):
             with contextlib.suppress(FileNotFoundError):
                 (run_dir / name).unlink()
-        proc = VMMProcess.spawn([*self.argv(config, run_dir), *extra], run_dir / QEMU_LOG)
+        proc = VMMProcess.spawn(
+            [*self.argv(config, run_dir), *extra], run_dir / QEMU_LOG, read_files
+        )
         vm = QemuVM(config, run_dir, proc, self.accel)
         try:
             await vm.connect_qmp()
@@ -372,8 +381,9 @@ class QemuDriver(Driver):
         state = snapshot.path / snapshot.files["state"]
         if not state.exists():
             raise VMMError(f"snapshot {snapshot.path} has no {snapshot.files['state']}")
+        # QEMU reads the state straight from an inherited descriptor: no `cat`, no pipe.
         vm = await self._launch(
-            config, run_dir, ["-incoming", f"exec:cat {shlex.quote(str(state))}"]
+            config, run_dir, ["-incoming", f"fd:{STATE_FD}"], read_files={STATE_FD: state}
         )
         # The incoming migration runs before QEMU starts the vCPUs. The snapshot was taken of a
         # paused VM, so once loaded it is paused too, and we start it.
