@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import pytest
+import wsproto.events
+from httpx_ws import connect_ws
 
 from .conftest import Platform
 from .helpers import counter_runs, create, exec_events, run, start_counter, wait_state
@@ -107,3 +110,29 @@ def test_timeout_pauses_or_deletes_as_asked(platform: Platform) -> None:
         r = c.put(f"/v1/sandboxes/{pausing}/timeout", json={"timeout_s": 600})
         assert r.status_code == 200 and r.json()["timeout_s"] == 600
         c.delete(f"/v1/sandboxes/{pausing}")
+
+
+def test_interactive_exec_over_websocket_with_a_pty(platform: Platform) -> None:
+    with platform.client() as c:
+        sid = create(c)["id"]
+        out = b""
+        with connect_ws(
+            f"{platform.api_url}/v1/sandboxes/{sid}/exec/ws".replace("http", "ws", 1), c
+        ) as ws:
+            ws.send_text(json.dumps({"argv": ["sh"], "pty": True, "rows": 30, "cols": 90}))
+            assert json.loads(ws.receive_text())["type"] == "start"
+            ws.send_bytes(b"stty size; tty; exit 3\n")
+            while True:
+                msg = ws.receive()
+                if isinstance(msg, wsproto.events.BytesMessage):
+                    assert msg.data[0] == 1  # a PTY has one stream
+                    out += bytes(msg.data[1:])
+                elif isinstance(msg, wsproto.events.TextMessage):
+                    event = json.loads(msg.data)
+                    if event["type"] == "exit":
+                        break
+                else:
+                    break
+        assert b"30 90" in out and b"/dev/pts/" in out
+        assert event["exit_code"] == 3
+        c.delete(f"/v1/sandboxes/{sid}")

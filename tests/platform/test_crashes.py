@@ -15,7 +15,7 @@ import pytest
 from space.db import embedded
 
 from ..vm.conftest import vmm_pids
-from .conftest import Platform
+from .conftest import Platform, Service
 from .helpers import counter_runs, create, run, start_counter, wait_state
 
 pytestmark = pytest.mark.vm
@@ -161,3 +161,24 @@ def test_fifty_concurrent_creates_and_deletes_leak_nothing(platform: Platform) -
     while time.monotonic() < deadline and _host_resources(workers) != before:
         time.sleep(0.5)
     assert _host_resources(workers) == before
+
+
+def test_a_standby_controller_takes_over_and_never_acts_twice(platform: Platform) -> None:
+    standby = Service(
+        "controller-2", ["-v", "controller"], platform.env, platform.tmp / "controller-2.log"
+    )
+    standby.start()
+    try:
+        time.sleep(2)
+        assert "standing by" in standby.log.read_text(), "only one controller may lead"
+        with platform.client() as c:
+            sid = create(c)["id"]
+            events = c.get(f"/v1/sandboxes/{sid}/events").json()["items"]
+            starts = [e for e in events if e["to_state"] == "starting"]
+            assert len(starts) == 1, events  # one leader: one placement
+            platform.controller.kill9()
+            assert c.post(f"/v1/sandboxes/{sid}/pause").json()["state"] == "paused"
+            c.delete(f"/v1/sandboxes/{sid}")
+    finally:
+        standby.stop()
+        platform.controller.start()
