@@ -107,7 +107,9 @@ def test_cli_create_exec_cp_rm(platform: Platform, tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "space.cli.main"]
 
     def space_cli(*args: str, **kw: object) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run([*cli, *args], env=env, capture_output=True, timeout=300, **kw)  # type: ignore[call-overload, no-any-return]
+        return subprocess.run(
+            [*cli, *args], env=env, capture_output=True, timeout=300, stdin=subprocess.DEVNULL, **kw
+        )  # type: ignore[call-overload, no-any-return]
 
     made = space_cli("sandbox", "create")
     assert made.returncode == 0, made.stderr

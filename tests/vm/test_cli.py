@@ -20,7 +20,11 @@ SPACE = str(Path(sys.executable).parent / "space")
 
 def space(*args: str, input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [SPACE, *args], input=input, capture_output=True, timeout=300, check=False
+        [SPACE, *args],
+        input=b"" if input is None else input,
+        capture_output=True,
+        timeout=300,
+        check=False,
     )
 
 
