@@ -1,0 +1,179 @@
+"""Files in the guest: streamed reads, atomic streamed writes, listing and metadata."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+from typing import TYPE_CHECKING
+
+from . import protocol as p
+from .common import Json, OpError, os_error, path_arg
+
+if TYPE_CHECKING:
+    from .agent import Connection
+
+
+def stat_entry(path: str, name: str | None = None) -> Json:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        kind = "symlink"
+    elif stat.S_ISDIR(st.st_mode):
+        kind = "directory"
+    elif stat.S_ISREG(st.st_mode):
+        kind = "file"
+    else:
+        kind = "other"
+    entry: Json = {
+        "name": name if name is not None else os.path.basename(path) or "/",
+        "path": path,
+        "type": kind,
+        "size": st.st_size,
+        "mode": stat.S_IMODE(st.st_mode),
+        "uid": st.st_uid,
+        "gid": st.st_gid,
+        "mtime": st.st_mtime,
+    }
+    if kind == "symlink":
+        entry["target"] = os.readlink(path)
+    return entry
+
+
+async def read_file(conn: Connection, channel: int, req: Json) -> Json:
+    path = path_arg(req)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise os_error(e, path) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise OpError(p.ErrorCode.IS_A_DIRECTORY, f"{path}: is a directory")
+        await conn.send_json(p.FrameType.EVENT, channel, {"size": st.st_size})
+        sent = 0
+        while True:
+            try:
+                chunk = os.read(fd, p.CHUNK_SIZE)
+            except OSError as e:
+                raise os_error(e, path) from None
+            if not chunk:
+                break
+            sent += len(chunk)
+            await conn.send(p.FrameType.DATA, channel, chunk)
+        await conn.send(p.FrameType.END, channel)
+        return {"size": sent}
+    finally:
+        os.close(fd)
+
+
+async def write_file(conn: Connection, channel: int, req: Json) -> Json:
+    """Streams DATA frames into a temporary file renamed over `path` at END: all or nothing."""
+    path = path_arg(req)
+    mode = req.get("mode", 0o644)
+    if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise OpError(p.ErrorCode.INVALID, "'mode' must be a permission number")
+    parent = os.path.dirname(path) or "/"
+    if req.get("make_parents"):
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise os_error(e, parent) from None
+    if os.path.isdir(path):
+        raise OpError(p.ErrorCode.IS_A_DIRECTORY, f"{path}: is a directory")
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.space-{os.urandom(4).hex()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    except OSError as e:
+        raise os_error(e, path) from None
+    queue = conn.inboxes[channel]
+    await conn.send_json(p.FrameType.EVENT, channel, {"ready": True})
+    written = 0
+    failure: OpError | None = None
+    try:
+        while True:
+            ftype, data = await queue.get()
+            if ftype == p.FrameType.END:
+                break
+            if ftype != p.FrameType.DATA or failure is not None:
+                continue  # after a failure, drain the host's data until its END
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                written += len(data)
+            except OSError as e:
+                failure = os_error(e, path)
+        if failure is None:
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+    except OSError as e:
+        failure = os_error(e, path)
+    finally:
+        os.close(fd)
+        if failure is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    if failure is not None:
+        raise failure
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise os_error(e, path) from None
+    return {"size": written}
+
+
+async def list_dir(conn: Connection, channel: int, req: Json) -> Json:
+    path = path_arg(req)
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as e:
+        raise os_error(e, path) from None
+    entries = []
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):  # removed while we looked
+            entries.append(stat_entry(os.path.join(path, name), name))
+    return {"entries": entries}
+
+
+async def stat_path(conn: Connection, channel: int, req: Json) -> Json:
+    path = path_arg(req)
+    try:
+        return stat_entry(path)
+    except OSError as e:
+        raise os_error(e, path) from None
+
+
+async def remove(conn: Connection, channel: int, req: Json) -> Json:
+    path = path_arg(req)
+    if os.path.normpath(path) == "/":
+        raise OpError(p.ErrorCode.INVALID, "refusing to remove /")
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            if req.get("recursive"):
+                shutil.rmtree(path)
+            else:
+                os.rmdir(path)
+        else:
+            os.unlink(path)
+    except OSError as e:
+        raise os_error(e, path) from None
+    return {}
+
+
+async def mkdir(conn: Connection, channel: int, req: Json) -> Json:
+    path = path_arg(req)
+    mode = req.get("mode", 0o755)
+    if not isinstance(mode, int):
+        raise OpError(p.ErrorCode.INVALID, "'mode' must be a permission number")
+    try:
+        if req.get("parents"):
+            os.makedirs(path, mode=mode, exist_ok=True)
+        else:
+            os.mkdir(path, mode)
+    except OSError as e:
+        raise os_error(e, path) from None
+    return stat_entry(path)

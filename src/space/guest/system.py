@@ -1,0 +1,89 @@
+"""The guest agent's duties as the VM's init: mounts, hostname, loopback, entropy, power."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import socket
+import struct
+from pathlib import Path
+
+from . import protocol as p
+from .common import log
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source: str, target: str, fstype: str, options: str = "") -> None:
+    os.makedirs(target, exist_ok=True)
+    if _libc.mount(source.encode(), target.encode(), fstype.encode(), 0, options.encode()) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EBUSY:
+            log(f"mount {fstype} on {target}: {os.strerror(err)}")
+
+
+def kernel_args() -> dict[str, str]:
+    try:
+        words = Path("/proc/cmdline").read_text().split()
+    except OSError:
+        return {}
+    return dict(w.split("=", 1) for w in words if "=" in w)
+
+
+def interface_up(name: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH14x", name.encode(), 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, SIOCGIFFLAGS, req))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", name.encode(), flags | IFF_UP))
+
+
+def init_system(args: dict[str, str]) -> None:
+    """What a minimal init does before anything else runs."""
+    os.environ.clear()
+    os.environ.update({"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"})
+    _mount("devpts", "/dev/pts", "devpts", "gid=5,mode=620,ptmxmode=666")
+    _mount("tmpfs", "/dev/shm", "tmpfs", "mode=1777")
+    os.makedirs("/tmp", mode=0o1777, exist_ok=True)
+    socket.sethostname(args.get("space.hostname", "space"))
+    try:
+        interface_up("lo")
+    except OSError as e:
+        log(f"loopback: {e}")
+
+
+def add_entropy(seed: bytes) -> None:
+    """Mix host entropy into the kernel RNG and force a reseed so clones diverge at once."""
+    with open("/dev/urandom", "wb") as f:
+        info = struct.pack("ii", len(seed) * 8, len(seed)) + seed
+        fcntl.ioctl(f.fileno(), RNDADDENTROPY, info)
+        with contextlib.suppress(OSError):  # older kernels lack it; the add already reseeds
+            fcntl.ioctl(f.fileno(), RNDRESEEDCRNG)
+
+
+def find_agent_port() -> str | None:
+    for name_file in Path("/sys/class/virtio-ports").glob("*/name"):
+        with contextlib.suppress(OSError):
+            if name_file.read_text().strip() == p.AGENT_PORT_NAME:
+                return f"/dev/{name_file.parent.name}"
+    return None
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def power_off() -> None:
+    _libc.reboot(0x4321FEDC)  # LINUX_REBOOT_CMD_POWER_OFF
