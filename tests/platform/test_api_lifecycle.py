@@ -105,8 +105,12 @@ def test_timeout_pauses_or_deletes_as_asked(platform: Platform) -> None:
     with platform.client() as c:
         pausing = create(c, timeout_s=2, timeout_action="pause")["id"]
         deleting = create(c, timeout_s=2, timeout_action="delete")["id"]
-        wait_state(c, pausing, "paused", timeout=30)
+        paused = wait_state(c, pausing, "paused", timeout=30)
         wait_state(c, deleting, "deleted", timeout=30)
+        # Resuming restarts the timer: it is not paused again at once for the old deadline.
+        resumed = c.post(f"/v1/sandboxes/{pausing}/resume").json()
+        assert resumed["state"] == "running"
+        assert resumed["expires_at"] > paused["expires_at"]
         r = c.put(f"/v1/sandboxes/{pausing}/timeout", json={"timeout_s": 600})
         assert r.status_code == 200 and r.json()["timeout_s"] == 600
         c.delete(f"/v1/sandboxes/{pausing}")

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response, StreamingResponse
 from httpx_ws import AsyncWebSocketSession, HTTPXWSException, aconnect_ws
 from httpx_ws import WebSocketDisconnect as UpstreamDisconnect
+from starlette.types import Receive, Scope, Send
 
 from space.api.deps import Caller, Services, Svc, ws_tenant
 from space.api.errors import APIError
@@ -29,21 +30,28 @@ async def _target(svc: Services, tenant_id: str, sandbox_id: str) -> str:
     return await svc.worker_url(await svc.store.get_sandbox(sandbox_id, tenant_id))
 
 
+class _RelayResponse(StreamingResponse):
+    """A streamed answer that always closes its upstream worker stream, even when the client
+    leaves before the first byte (then the body generator never starts)."""
+
+    def __init__(self, body: AsyncIterator[bytes], media_type: str, stack: AsyncExitStack):
+        super().__init__(body, media_type=media_type)
+        self._stack = stack
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stack.aclose()
+
+
 async def _relay(
     svc: Services, method: str, url: str, media_type: str, **kw: Any
 ) -> StreamingResponse:
     """Open the worker's stream first (so its errors become ours), then pass the body on."""
     stack = AsyncExitStack()
     resp = await stack.enter_async_context(svc.workers.stream(method, url, **kw))
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-        finally:
-            await stack.aclose()
-
-    return StreamingResponse(body(), media_type=media_type)
+    return _RelayResponse(resp.aiter_raw(), media_type, stack)
 
 
 @router.post("/exec", response_class=StreamingResponse)

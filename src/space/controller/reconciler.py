@@ -103,7 +103,7 @@ class Reconciler:
             return await self._finish(row, state)
         step = STEPS.get(desired)
         if step and state != desired and state in FROM[desired]:
-            return await self.store.transition(sid, [state], step[0]) is not None
+            return await self.store.transition(sid, [state], step[0], prev_state=state) is not None
         return False
 
     async def _place(self, row: Row) -> bool:
@@ -155,8 +155,16 @@ class Reconciler:
         except WorkerError as e:
             if e.status == 0:
                 raise
-            await self.store.transition(row["id"], [state], "error", reason=e.detail,
-                                        prev_state=None)  # fmt: skip
+            # The worker refused the step: the VM is still as it was, so the sandbox goes back
+            # to where it came from (and stops asking), with the reason; it stays usable.
+            back = row["prev_state"]
+            if back in ("running", "paused", "suspended"):
+                await self.store.transition(
+                    row["id"], [state], back, reason=f"{step[1]} failed: {e.detail}",
+                    desired_state=back, prev_state=None,
+                )  # fmt: skip
+            else:
+                await self.store.transition(row["id"], [state], "error", reason=e.detail)
             return False
         return await self.store.transition(row["id"], [state], step[2]) is not None
 

@@ -22,42 +22,59 @@ async def timeouts(store: Store) -> None:
     for row in await store.expired():
         desired, verb = TIMEOUT_ACTIONS.get(row["timeout_action"], ("paused", "pause"))
         try:
-            await store.request(row["tenant_id"], row["id"], desired, ("running",), verb)
+            await store.request(
+                row["tenant_id"], row["id"], desired, ("running",), verb, only_if_desired="running"
+            )
             log.info("sandbox %s timed out: %s", row["id"], verb)
         except (Conflict, NotFound):
             pass  # it changed meanwhile
 
 
 async def worker_health(store: Store, workers: WorkerClient, dead_after_s: float) -> None:
-    """Workers that stopped heartbeating lose their sandboxes (with a reason) until they return."""
+    """Workers that stopped heartbeating lose their sandboxes (with a reason) until they return;
+    live workers are asked which VMs they really hold."""
     for worker_id in await store.mark_dead_workers(dead_after_s):
         log.warning("worker %s stopped heartbeating", worker_id)
-        for row in await store.on_worker(worker_id):
-            if row["state"] in LIVE:
-                await store.transition(
-                    row["id"], [row["state"]], "error",
-                    reason=LOST.format(worker_id, dead_after_s), prev_state=row["state"],
-                )  # fmt: skip
     for worker in await store.workers():
         if worker["state"] != "active":
+            # Every pass, not only when the worker is found dead: a controller that died half-way,
+            # or a placement that raced the verdict, must not leave sandboxes behind.
+            for row in await store.on_worker(worker["id"]):
+                if row["state"] in LIVE:
+                    await store.transition(
+                        row["id"], [row["state"]], "error",
+                        reason=LOST.format(worker["id"], dead_after_s), prev_state=row["state"],
+                    )  # fmt: skip
             continue
         marker = f"worker {worker['id']} lost"
         lost = [
             r for r in await store.on_worker(worker["id"])
             if r["state"] == "error" and (r["reason"] or "").startswith(marker)
         ]  # fmt: skip
-        if lost:
-            await _recover(store, workers, worker["url"], lost)
+        await _verify(store, workers, worker, lost)
 
 
-async def _recover(store: Store, workers: WorkerClient, url: str, lost: list[Row]) -> None:
-    """A worker is back: the VMs it re-adopted return to where they were; others are gone."""
+async def _verify(store: Store, workers: WorkerClient, worker: Row, lost: list[Row]) -> None:
+    """Compare a live worker's VMs with the database: the VMs a returning worker re-adopted
+    go back to where they were; a running or paused sandbox whose VM is gone (or broken) is an
+    error with the worker's reason."""
+    url = worker["url"]
+    settled = [
+        r for r in await store.on_worker(worker["id"]) if r["state"] in ("running", "paused")
+    ]
     try:
         health = await workers.call("GET", f"{url}/health")
     except WorkerError as e:
-        log.info("worker at %s not answering yet: %s", url, e)
+        log.info("worker at %s not answering: %s", url, e)
         return
-    found = {vm["id"]: vm["state"] for vm in health.get("vms", [])}
+    vms = {vm["id"]: vm for vm in health.get("vms", [])}
+    for row in settled:
+        vm = vms.get(row["id"])
+        if vm is None or vm.get("state") == "error":
+            why = (vm or {}).get("reason") or "its VM is gone from the worker"
+            await store.transition(row["id"], [row["state"]], "error", reason=str(why),
+                                   prev_state=row["state"])  # fmt: skip
+    found = {vm_id: vm["state"] for vm_id, vm in vms.items()}
     for row in lost:
         vm_state = found.get(row["id"])
         if vm_state is not None:

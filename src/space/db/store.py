@@ -264,6 +264,7 @@ class Store:
         desired: str,
         allowed_from: Sequence[str],
         verb: str,
+        only_if_desired: str | None = None,
     ) -> Row:
         """Ask for a new desired state; Conflict unless the current state allows it."""
         s = t.sandboxes.c
@@ -276,6 +277,9 @@ class Store:
                             s.id == sandbox_id,
                             s.tenant_id == tenant_id,
                             s.state.in_(allowed_from),
+                            # A delete once asked for is never taken back by a later request.
+                            s.desired_state != "deleted",
+                            s.desired_state == (only_if_desired or s.desired_state),
                         )
                         .values(desired_state=desired, updated_at=sa.func.now())
                         .returning(*t.sandboxes.c)
@@ -336,6 +340,12 @@ class Store:
             ).scalar()
             if before is None or before not in from_states:
                 return None
+            if to_state == "running" and before != "running":
+                # A sandbox's timeout runs from when it last started running.
+                values.setdefault(
+                    "expires_at",
+                    sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, s.timeout_s),
+                )
             row = (
                 (
                     await c.execute(
@@ -365,7 +375,8 @@ class Store:
                 s.state != "deleted",
                 sa.or_(s.state != "error", s.desired_state == "deleted"),
             )
-            .order_by(s.updated_at)
+            # Sandboxes waiting for room come last, so they never starve other work.
+            .order_by(s.state == "pending", s.updated_at)
             .limit(limit)
         )
         async with self.engine.connect() as c:

@@ -141,7 +141,8 @@ class AgentClient:
         self._reader = reader
         self._writer = writer
         self._channels: dict[int, _Channel] = {}
-        self._ids = itertools.count(1)
+        # Ids start at a random point, so a stale connection's channels never meet new ones.
+        self._ids = itertools.count(secrets.randbelow(1 << 30) + 1)
         self._hello: tuple[bytes, bytes, asyncio.Future[bool]] | None = None
         self._send_lock = asyncio.Lock()
         self._lost: AgentConnectionLost | None = None

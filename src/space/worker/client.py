@@ -8,6 +8,8 @@ from typing import Any
 
 import httpx
 
+STREAM_TIMEOUT = httpx.Timeout(None, connect=5.0)
+
 
 class WorkerError(Exception):
     """A worker refused or failed a call; `status` is its HTTP status (0: unreachable)."""
@@ -65,8 +67,13 @@ class WorkerClient:
         params: Any = None,
         content: Any = None,
     ) -> AsyncIterator[httpx.Response]:
-        """A streamed call; a non-2xx answer raises before the body is handed over."""
-        req = self.http.build_request(method, url, json=json, params=params, content=content)
+        """A streamed call; a non-2xx answer raises before the body is handed over.
+
+        A stream may rightly stay silent for as long as its process runs, so only connecting
+        is bounded, not reading."""
+        req = self.http.build_request(
+            method, url, json=json, params=params, content=content, timeout=STREAM_TIMEOUT
+        )
         try:
             resp = await self.http.send(req, stream=True)
         except httpx.TransportError as e:
