@@ -186,3 +186,26 @@ async def test_requests_before_hello_are_ignored(agent_socket: Path) -> None:
 async def test_identity_changes_refused_outside_a_vm(agent: AgentClient) -> None:
     with pytest.raises(AgentError, match="inside a VM"):
         await agent.refresh_identity(hostname="nope")
+
+
+async def test_a_slow_reader_pushes_back_instead_of_filling_memory(agent: AgentClient) -> None:
+    from space.worker.agent_client import BUFFER_HIGH
+
+    size = 6 * BUFFER_HIGH
+    proc = await agent.exec(["head", "-c", str(size), "/dev/zero"])
+    await asyncio.sleep(1.0)  # nobody reads: the client must stop taking from the agent
+    assert agent._buffered <= BUFFER_HIGH + (1 << 20)
+    got = 0
+    async for _, data in proc:
+        got += len(data)
+    assert got == size
+    assert (await proc.wait()).exit_code == 0
+
+
+async def test_an_abandoned_stream_does_not_block_the_connection(agent: AgentClient) -> None:
+    proc = await agent.exec(["sh", "-c", "head -c 200000000 /dev/zero; sleep 30"])
+    await asyncio.sleep(0.5)
+    proc.discard()
+    await proc.signal(signal.SIGKILL)
+    r = await asyncio.wait_for(agent.run("echo still here"), 10)
+    assert r.stdout == b"still here\n"

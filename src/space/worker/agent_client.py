@@ -42,6 +42,8 @@ class AgentConnectionLost(AgentError):
 
 
 _CLOSED: Frame = (p.FrameType.END, b"\x00closed")
+BUFFER_HIGH = 16 << 20
+BUFFER_LOW = 4 << 20
 
 
 def _raise_for(body: dict[str, Any]) -> dict[str, Any]:
@@ -71,12 +73,30 @@ class _Channel:
         self.id = cid
         self.frames: asyncio.Queue[Frame] = asyncio.Queue()
         self.reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.discarded = False
+
+    def put(self, frame: Frame) -> None:
+        if self.discarded:
+            return
+        self.frames.put_nowait(frame)
+        self.client._buffered_add(len(frame[1]))
 
     async def next_frame(self) -> Frame:
         """The next non-REPLY frame; the closed marker (again and again) once the reply came."""
         if self.reply.done() and self.frames.empty():
             return _CLOSED
-        return await self.frames.get()
+        frame = await self.frames.get()
+        if frame is not _CLOSED:
+            self.client._buffered_add(-len(frame[1]))
+        return frame
+
+    def discard(self) -> None:
+        """Nobody will read this channel any more: drop what it holds and whatever comes."""
+        self.discarded = True
+        while not self.frames.empty():
+            frame = self.frames.get_nowait()
+            if frame is not _CLOSED:
+                self.client._buffered_add(-len(frame[1]))
 
     async def send(self, ftype: p.FrameType, payload: bytes = b"") -> None:
         await self.client._send(p.encode(ftype, self.id, payload))
@@ -118,6 +138,10 @@ class ExecProcess:
             elif (ftype, data) == _CLOSED:
                 return
 
+    def discard(self) -> None:
+        """Stop buffering this process's output: its reader is gone (see flow control)."""
+        self._ch.discard()
+
     async def wait(self) -> ExecResult:
         """Collect the remaining output and the exit status."""
         out, err = bytearray(), bytearray()
@@ -146,6 +170,12 @@ class AgentClient:
         self._hello: tuple[bytes, bytes, asyncio.Future[bool]] | None = None
         self._send_lock = asyncio.Lock()
         self._lost: AgentConnectionLost | None = None
+        # Flow control: the reader stops taking from the agent while more than BUFFER_HIGH bytes
+        # wait for consumers, so a slow (or absent) reader pushes back on the guest instead of
+        # filling the worker's memory.
+        self._buffered = 0
+        self._room = asyncio.Event()
+        self._room.set()
         self._reader_task = asyncio.ensure_future(self._read_loop())
 
     @classmethod
@@ -206,6 +236,7 @@ class AgentClient:
                         continue
                 for ftype, cid, payload in decoder.feed(data):
                     self._route(ftype, cid, payload)
+                await self._room.wait()
         except (ConnectionError, OSError) as e:
             reason = f"connection error: {e}"
         self._mark_lost(reason)
@@ -227,6 +258,13 @@ class AgentClient:
         del buf[:-keep]  # older bytes can no longer start our WELCOME
         return b""
 
+    def _buffered_add(self, n: int) -> None:
+        self._buffered += n
+        if self._buffered > BUFFER_HIGH:
+            self._room.clear()
+        elif self._buffered <= BUFFER_LOW:
+            self._room.set()
+
     def _route(self, ftype: p.FrameType, cid: int, payload: bytes) -> None:
         ch = self._channels.get(cid)
         if ch is None:
@@ -241,7 +279,7 @@ class AgentClient:
                 ch.reply.set_result(body)
             ch.frames.put_nowait(_CLOSED)
         else:
-            ch.frames.put_nowait((ftype, payload))
+            ch.put((ftype, payload))
 
     def _mark_lost(self, reason: str) -> None:
         if self._lost is not None:
@@ -350,21 +388,30 @@ class AgentClient:
         proc = await self.exec(
             cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=input is not None
         )
-        if input is not None:
+        if input is None:
+            return await proc.wait()
+
+        async def feed() -> None:
             await proc.write(input)
             await proc.close_stdin()
-        return await proc.wait()
+
+        # Output is read while input is written: a process that echoes must not stall both.
+        _, result = await asyncio.gather(feed(), proc.wait())
+        return result
 
     async def iter_file(self, path: str) -> AsyncIterator[bytes]:
         ch = await self._open("read_file", {"path": path})
-        await self._first_event(ch)
-        while True:
-            ftype, data = await ch.next_frame()
-            if ftype == p.FrameType.DATA:
-                yield data
-            elif ftype == p.FrameType.END:
-                break
-        await ch.result()
+        try:
+            await self._first_event(ch)
+            while True:
+                ftype, data = await ch.next_frame()
+                if ftype == p.FrameType.DATA:
+                    yield data
+                elif ftype == p.FrameType.END:
+                    break
+            await ch.result()
+        finally:
+            ch.discard()  # a reader that stops early must not hold the rest in memory
 
     async def read_file(self, path: str) -> bytes:
         return b"".join([chunk async for chunk in self.iter_file(path)])

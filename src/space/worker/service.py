@@ -291,6 +291,7 @@ def _error_event(e: AgentError | Problem) -> dict[str, Any]:
 
 async def _kill(proc: ExecProcess) -> None:
     """Ends a process nobody listens to any more, so its channel closes too."""
+    proc.discard()
     with contextlib.suppress(AgentError):
         await proc.signal(signal.SIGKILL)
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qemu.qmp import QMPClient
+from qemu.qmp import ConnectError, QMPClient
 
 from space.guest.protocol import AGENT_PORT_NAME
 from space.worker.storage.reflink import clone_file
@@ -115,14 +115,21 @@ class QemuVM(VM):
     async def connect_qmp(self) -> None:
         sock = self.run_dir / QMP_SOCKET
         deadline = time.monotonic() + SOCKET_WAIT_S
-        while not sock.exists():
+        while True:
+            # The socket file appears when QEMU binds it, a moment before it listens.
+            if sock.exists():
+                qmp = QMPClient(f"vm-{self.id}")
+                try:
+                    await qmp.connect(str(sock))
+                except ConnectError:
+                    pass
+                else:
+                    self._qmp = qmp
+                    return
             self._check_alive()
             if time.monotonic() > deadline:
                 raise VMMError(f"QEMU did not open its QMP socket within {SOCKET_WAIT_S}s")
             await asyncio.sleep(0.005)
-        qmp = QMPClient(f"vm-{self.id}")
-        await qmp.connect(str(sock))
-        self._qmp = qmp
 
     async def _execute(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
         self._check_alive()
