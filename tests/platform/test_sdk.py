@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pty
+import select
 import subprocess
 import sys
 import time
@@ -129,3 +131,37 @@ def test_cli_create_exec_cp_rm(platform: Platform, tmp_path: Path) -> None:
         assert missing.returncode != 0 and b"Traceback" not in missing.stderr
     finally:
         assert space_cli("sandbox", "rm", sid).returncode == 0
+
+
+def test_cli_shell_is_an_interactive_pty(platform: Platform) -> None:
+    with space.Space(platform.api_url, platform.key_a) as client:
+        sb = space.Sandbox.create(client=client)
+        try:
+            env = {**os.environ, "SPACE_API_URL": platform.api_url, "SPACE_API_KEY": platform.key_a}
+            pid, fd = pty.fork()
+            if pid == 0:  # the child: `space shell` on a real terminal
+                os.execve(
+                    sys.executable, [sys.executable, "-m", "space.cli.main", "shell", sb.id], env
+                )
+            out = b""
+
+            def read_until(marker: bytes, timeout: float = 60) -> None:
+                nonlocal out
+                deadline = time.monotonic() + timeout
+                while marker not in out and time.monotonic() < deadline:
+                    if select.select([fd], [], [], 0.5)[0]:
+                        try:
+                            out += os.read(fd, 4096)
+                        except OSError:
+                            break
+                assert marker in out, out[-500:]
+
+            read_until(b"#")  # a root prompt from the sandbox
+            os.write(fd, b"echo $((40+2)) from $(hostname); tty\n")
+            read_until(f"42 from {sb.id}".encode())
+            read_until(b"/dev/pts/")
+            os.write(fd, b"exit 7\n")
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 7
+        finally:
+            sb.delete()
