@@ -140,3 +140,28 @@ def test_interactive_exec_over_websocket_with_a_pty(platform: Platform) -> None:
         assert b"30 90" in out and b"/dev/pts/" in out
         assert event["exit_code"] == 3
         c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_disk_size_is_the_sandboxes_quota(platform: Platform) -> None:
+    with platform.client() as c:
+        big = create(c, disk_mib=2048)
+        small = create(c)
+        try:
+            assert big["state"] == "running", big
+            size_mib = int(run(c, big["id"], "df -m --output=size / | tail -1")[0])
+            assert 1800 < size_mib <= 2048, size_mib
+            # Past its size the sandbox's own writes fail; nobody else notices.
+            _, err, code = run(c, big["id"], "fallocate -l 3G /root/too-big")
+            assert code != 0 and b"No space left" in err
+            # (a failed fallocate may keep what it got: clear it first)
+            out, err, code = run(c, big["id"], "rm -f /root/too-big; fallocate -l 1500M /root/fits")
+            assert code == 0, (out, err)
+            _, err, code = run(c, big["id"], "head -c 900M /dev/zero > /root/more")
+            assert code != 0 and b"No space left" in err
+            assert run(c, small["id"], "echo fine > /root/ok && cat /root/ok")[0] == b"fine\n"
+            assert run(c, big["id"], "rm /root/more /root/fits && echo freed")[0] == b"freed\n"
+            too_small = create(c, disk_mib=512)
+            assert too_small["state"] == "error" and "smaller than template" in too_small["reason"]
+        finally:
+            for sb in (big, small):
+                c.delete(f"/v1/sandboxes/{sb['id']}")

@@ -129,6 +129,7 @@ class Reconciler:
             "template": row["template"],
             "vcpus": row["vcpus"],
             "memory_mib": row["memory_mib"],
+            "disk_mib": row["disk_mib"],
             "env": row["env"],
             "hostname": row["id"],
         }

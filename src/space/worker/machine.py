@@ -175,6 +175,22 @@ class Machine:
         await self.agent.close()
         self.agent = await _connect_agent(self.vm, self.vm.config.agent_token, timeout)
 
+    async def grow_disk(self, size_mib: int) -> None:
+        """Make the root disk (and its ext4 file system) `size_mib` large; never shrinks it.
+
+        The file system's size is the sandbox's disk quota: past it, writes fail with ENOSPC
+        inside the guest, and nothing outside it fills up."""
+        size = size_mib << 20
+        current = self.disk.stat().st_size
+        if size < current:
+            raise ValueError(f"the disk is already {current >> 20} MiB; it cannot shrink")
+        if size == current:
+            return
+        await self.vm.resize_disk(size)
+        r = await self.agent.run(["resize2fs", "/dev/vda"], timeout=120)
+        if r.exit_code != 0:
+            raise ValueError(f"resize2fs failed: {r.stderr.decode(errors='replace').strip()}")
+
     def status(self) -> VMStatus:
         return self.vm.status()
 

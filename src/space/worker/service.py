@@ -138,6 +138,7 @@ class CreateBody(Strict):
     memory_mib: int = Field(256, ge=128, le=1 << 20)
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
     hostname: str | None = Field(None, pattern=HOSTNAME)
+    disk_mib: int = Field(0, ge=0, le=1 << 20)
 
 
 class ExecBody(Strict):
@@ -328,7 +329,7 @@ class WorkerAPI:
         body = await read_body(CreateBody, request)
         sb = await self.manager.create(
             self._vm_id(request), body.template, body.vcpus, body.memory_mib, body.env,
-            body.hostname,
+            body.hostname, body.disk_mib,
         )  # fmt: skip
         return JSONResponse(
             {"id": sb.id, "state": sb.state, "boot": sb.boot, "took_ms": round(sb.took_ms, 3)}

@@ -84,6 +84,7 @@ class SandboxSpec:
     memory_mib: int
     env: dict[str, str] = field(default_factory=dict)
     hostname: str = ""
+    disk_mib: int = 0  # 0: the template image's own size
 
 
 @dataclass
@@ -304,6 +305,7 @@ class VMManager:
         memory_mib: int = 256,
         env: Mapping[str, str] | None = None,
         hostname: str | None = None,
+        disk_mib: int = 0,
     ) -> SandboxVM:
         """A running VM restored from the base snapshot of its shape; the existing one if any."""
         _check_id(vm_id)
@@ -323,8 +325,13 @@ class VMManager:
             if images is None:
                 known = ", ".join(sorted(self.templates))
                 raise TemplateNotFound(f"no template {template!r} on this worker (it has {known})")
+            image_mib = images.rootfs.stat().st_size >> 20
+            if disk_mib and disk_mib < image_mib:
+                raise InvalidArgument(
+                    f"disk_mib {disk_mib} is smaller than template {template} ({image_mib} MiB)"
+                )
             spec = SandboxSpec(template, vcpus, memory_mib, dict(env or {}),
-                               hostname or f"sb-{vm_id}")  # fmt: skip
+                               hostname or f"sb-{vm_id}", disk_mib)  # fmt: skip
             self._reserve(vm_id, vcpus, memory_mib)
             try:
                 started = time.perf_counter()
@@ -336,6 +343,11 @@ class VMManager:
                 took_ms = (time.perf_counter() - started) * 1000
                 sb = SandboxVM(vm_id, spec, machine, "cold" if built else "restore", took_ms)
                 try:
+                    if disk_mib:
+                        try:
+                            await machine.grow_disk(disk_mib)
+                        except ValueError as e:
+                            raise InvalidArgument(str(e)) from None
                     sb.save(machine.run_dir)
                 except BaseException:
                     await machine.close()

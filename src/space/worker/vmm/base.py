@@ -192,6 +192,10 @@ class VM(abc.ABC):
         """Let go of the VM, leaving it running for another process to adopt."""
         raise VMMError(f"{type(self).__name__} cannot hand its VM over")
 
+    async def resize_disk(self, size_bytes: int) -> None:
+        """Grow the root disk while the VM runs; the guest sees the new size at once."""
+        raise VMMError(f"{type(self).__name__} cannot resize disks")
+
     def console_text(self) -> str:
         try:
             return self.console_log.read_text(errors="replace")

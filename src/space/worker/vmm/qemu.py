@@ -189,6 +189,9 @@ class QemuVM(VM):
         await self._execute("cont")
         self._state = VMState.RUNNING
 
+    async def resize_disk(self, size_bytes: int) -> None:
+        await self._execute("block_resize", {"device": "root", "size": size_bytes})
+
     async def snapshot(self, dest: Path) -> SnapshotInfo:
         started = time.perf_counter()
         await self.pause()
