@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 
@@ -97,3 +100,21 @@ def test_malformed_requests_are_4xx(platform: Platform, sandbox_of_a: str) -> No
         for r in cases:
             assert 400 <= r.status_code < 500, (r.request.url, r.status_code, r.text)
             assert r.headers["content-type"] == "application/problem+json", r.request.url
+
+
+def test_operator_makes_and_revokes_keys(platform: Platform) -> None:
+    def admin(*args: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "space.cli.main", "admin", *args],
+            env=platform.env, capture_output=True, text=True, timeout=60, check=True,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        return r.stdout.strip()
+
+    key = admin("create-key", "tenant-made-by-operator")
+    assert key.startswith("sk_space_")
+    assert httpx.get(f"{platform.api_url}/v1/sandboxes",
+                     headers={"Authorization": f"Bearer {key}"}).status_code == 200  # fmt: skip
+    admin("revoke-key", key[len("sk_space_") :].split("_")[0])
+    assert httpx.get(f"{platform.api_url}/v1/sandboxes",
+                     headers={"Authorization": f"Bearer {key}"}).status_code == 401  # fmt: skip

@@ -7,6 +7,7 @@ import logging
 import click
 
 from space import __version__
+from space.cli.admin import admin
 from space.cli.images import image
 from space.cli.sandbox import cp, exec_, sandbox, shell
 from space.cli.services import api, controller, up, worker
@@ -30,7 +31,7 @@ cli.add_command(sandbox)
 cli.add_command(exec_)
 cli.add_command(shell)
 cli.add_command(cp)
-for command in (up, api, controller, worker):
+for command in (up, api, controller, worker, admin):
     cli.add_command(command)
 
 

@@ -92,6 +92,15 @@ class Store:
             )
         return key
 
+    async def revoke_api_key(self, key_id: str) -> bool:
+        async with self.engine.begin() as c:
+            res = await c.execute(
+                t.api_keys.update()
+                .where(t.api_keys.c.id == key_id, t.api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=sa.func.now())
+            )
+            return res.rowcount == 1
+
     async def authenticate(self, key: str) -> Tenant | None:
         if not key.startswith(KEY_PREFIX) or len(key) > 200:
             return None
