@@ -170,7 +170,7 @@ def up(port: int, worker_port: int) -> None:
     click.echo(
         f"""
 SPACE is up.
-  API:      {api_url}   (OpenAPI: {api_url}/docs)
+  API:      {api_url}   (OpenAPI: {api_url}/openapi.json)
   API key:  {key}
   saved in  {credentials_path()}  (the CLI and SDK read it)
 
