@@ -17,9 +17,5 @@ def cache_dir() -> Path:
 
 
 def state_dir() -> Path:
-    """Runtime state of this host: VM directories, sockets, snapshots."""
+    """Runtime state of this host: the disk pool (VMs, snapshots), the embedded database."""
     return Path(os.environ.get("SPACE_STATE_DIR", "/var/lib/space"))
-
-
-def vms_dir() -> Path:
-    return state_dir() / "vms"

@@ -176,6 +176,7 @@ class Agent:
             "time_ns": time.time_ns(),
             "uptime_s": time.clock_gettime(time.CLOCK_BOOTTIME),
             "agent_pid": os.getpid(),
+            "protocol": p.PROTOCOL_VERSION,
         }
 
     async def op_exec(self, conn: Connection, channel: int, req: Json) -> Json:

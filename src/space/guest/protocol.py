@@ -124,9 +124,6 @@ class FrameDecoder:
             del self._buf[:end]
             yield FrameType(ftype), channel, payload
 
-    def reset(self) -> None:
-        self._buf.clear()
-
     def _resync(self) -> None:
         at = self._buf.find(MAGIC, 1)
         drop = at if at > 0 else max(len(self._buf) - 1, 1)

@@ -35,16 +35,11 @@ class WorkerClient:
     """One shared HTTP client for all workers; lifecycle calls may take as long as a boot."""
 
     def __init__(self, secret: str, timeout: float = 300.0) -> None:
-        self._secret = secret
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=5.0),
             headers={"Authorization": f"Bearer {secret}"},
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
         )
-
-    @property
-    def auth_header(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._secret}"}
 
     async def close(self) -> None:
         await self.http.aclose()
