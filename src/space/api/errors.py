@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,11 +11,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from space.db.store import Conflict, NotFound
+from space.problem import problem
 from space.worker.client import WorkerError
 
 log = logging.getLogger(__name__)
-
-PROBLEM = "application/problem+json"
 
 
 class APIError(Exception):
@@ -25,17 +23,6 @@ class APIError(Exception):
         self.status = status
         self.detail = detail
         self.extra = extra
-
-
-def problem(status: int, detail: str, **extra: Any) -> JSONResponse:
-    body = {
-        "type": "about:blank",
-        "title": HTTPStatus(status).phrase,
-        "status": status,
-        "detail": detail,
-        **{k: v for k, v in extra.items() if v is not None},
-    }
-    return JSONResponse(body, status_code=status, media_type=PROBLEM)
 
 
 def worker_status(e: WorkerError) -> int:

@@ -16,7 +16,7 @@ import hmac
 import json
 import logging
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 from typing import Annotated, Any, TypeVar, cast
 
@@ -31,6 +31,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from space.problem import problem
 from space.worker.agent_client import (
     AgentClient,
     AgentConnectionLost,
@@ -51,7 +52,6 @@ from space.worker.vms import (
 
 log = logging.getLogger(__name__)
 
-PROBLEM = "application/problem+json"
 NDJSON = "application/x-ndjson"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 HOSTNAME = r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,62})$"
@@ -88,19 +88,6 @@ class Problem(Exception):
         self.status = status
         self.detail = detail
         self.extra = extra
-
-
-def problem(
-    status: int, detail: str, headers: Mapping[str, str] | None = None, **extra: Any
-) -> Response:
-    body = {
-        "type": "about:blank",
-        "title": HTTPStatus(status).phrase,
-        "status": status,
-        "detail": detail,
-        **{k: v for k, v in extra.items() if v is not None},
-    }
-    return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
 
 
 def as_problem(e: Exception) -> Problem:
