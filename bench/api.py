@@ -31,7 +31,7 @@ from space.db import tables as t
 from space.db.store import Store, connect
 from space.worker.local import local_runtime
 from space.worker.machine import Machine
-from vm_runtime import percentiles
+from vm_runtime import percentile_table, percentiles
 
 SPACE = [sys.executable, "-m", "space.cli.main"]
 
@@ -187,11 +187,7 @@ def main() -> None:
         pool = asyncio.run(local_runtime()).pool
         shutil.rmtree(pool.root / "workers" / worker_id, ignore_errors=True)
     results.update(asyncio.run(direct_baselines(args.execs, args.creates)))
-    rows = [("measure", "n", "p50 ms", "p90 ms", "p99 ms")]
-    for k, v in results.items():
-        rows.append((k, str(v["n"]), *(f"{v[q]:.1f}" for q in ("p50_ms", "p90_ms", "p99_ms"))))
-    print("\n".join("  ".join(f"{c:<34}" if i == 0 else f"{c:>8}" for i, c in enumerate(r))
-                    for r in rows))  # fmt: skip
+    print("\n".join(percentile_table(results)))
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

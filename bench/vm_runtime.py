@@ -131,14 +131,22 @@ async def bench(rt: LocalRuntime, execs: int, restores: int, boots: int) -> dict
     return out
 
 
-def table(results: dict[str, Any]) -> str:
+def percentile_table(results: dict[str, Any]) -> list[str]:
+    """The lines of a table of every percentile figure in `results`."""
     rows = [("measure", "n", "p50 ms", "p90 ms", "p99 ms")]
     for key, val in results.items():
         if isinstance(val, dict) and "p50_ms" in val:
             rows.append(
                 (key, str(val["n"]), *(f"{val[k]:.1f}" for k in ("p50_ms", "p90_ms", "p99_ms")))
             )
-    lines = ["  ".join(f"{c:<26}" if i == 0 else f"{c:>8}" for i, c in enumerate(r)) for r in rows]
+    width = max(len(r[0]) for r in rows) + 2
+    return [
+        "  ".join(f"{c:<{width}}" if i == 0 else f"{c:>8}" for i, c in enumerate(r)) for r in rows
+    ]
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = percentile_table(results)
     s = results["snapshot"]
     lines.append(
         f"snapshot of a {s['memory_mib']} MiB VM: {s['took_ms']:.0f} ms, "

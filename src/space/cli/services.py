@@ -31,10 +31,6 @@ from space.db.store import Store, connect
 log = logging.getLogger(__name__)
 
 
-def _database_url() -> str:
-    return embedded.database_url()
-
-
 @click.command()
 @click.option("--host", default=lambda: config.api_address()[0], show_default="127.0.0.1")
 @click.option("--port", type=int, default=lambda: config.api_address()[1], show_default="8080")
@@ -42,7 +38,7 @@ def api(host: str, port: int) -> None:
     """Run the HTTP API server."""
     from space.api.app import serve
 
-    asyncio.run(serve(_database_url(), config.worker_secret(), host, port))
+    asyncio.run(serve(embedded.database_url(), config.worker_secret(), host, port))
 
 
 @click.command()
@@ -50,7 +46,7 @@ def controller() -> None:
     """Run a controller replica (one leads; the others stand by)."""
     from space.controller.main import run
 
-    asyncio.run(run(_database_url(), config.worker_secret()))
+    asyncio.run(run(embedded.database_url(), config.worker_secret()))
 
 
 @click.command()
@@ -66,7 +62,7 @@ def worker(worker_id: str, host: str, port: int, url: str | None) -> None:
 
     asyncio.run(
         run(
-            _database_url(),
+            embedded.database_url(),
             config.worker_secret(),
             worker_id=worker_id,
             host=host,
@@ -135,7 +131,7 @@ def up(port: int, worker_port: int) -> None:
     ctx.invoke(kernel_cmd, force=False)
     ctx.invoke(base_cmd, force=False)
     click.secho("space up: database", bold=True, err=True)
-    db_url = _database_url()
+    db_url = embedded.database_url()
     api_url = f"http://127.0.0.1:{port}"
     key = asyncio.run(_bootstrap(db_url, api_url))
     space = [sys.executable, "-m", "space.cli.main"]

@@ -36,32 +36,28 @@ async def worker_health(store: Store, workers: WorkerClient, dead_after_s: float
     for worker_id in await store.mark_dead_workers(dead_after_s):
         log.warning("worker %s stopped heartbeating", worker_id)
     for worker in await store.workers():
+        rows = await store.on_worker(worker["id"])
         if worker["state"] != "active":
             # Every pass, not only when the worker is found dead: a controller that died half-way,
             # or a placement that raced the verdict, must not leave sandboxes behind.
-            for row in await store.on_worker(worker["id"]):
+            for row in rows:
                 if row["state"] in LIVE:
                     await store.transition(
                         row["id"], [row["state"]], "error",
                         reason=LOST.format(worker["id"], dead_after_s), prev_state=row["state"],
                     )  # fmt: skip
             continue
-        marker = f"worker {worker['id']} lost"
-        lost = [
-            r for r in await store.on_worker(worker["id"])
-            if r["state"] == "error" and (r["reason"] or "").startswith(marker)
-        ]  # fmt: skip
-        await _verify(store, workers, worker, lost)
+        await _verify(store, workers, worker, rows)
 
 
-async def _verify(store: Store, workers: WorkerClient, worker: Row, lost: list[Row]) -> None:
-    """Compare a live worker's VMs with the database: the VMs a returning worker re-adopted
-    go back to where they were; a running or paused sandbox whose VM is gone (or broken) is an
-    error with the worker's reason."""
+async def _verify(store: Store, workers: WorkerClient, worker: Row, rows: list[Row]) -> None:
+    """Compare a live worker's VMs with its sandboxes in the database: the VMs a returning
+    worker re-adopted go back to where they were; a running or paused sandbox whose VM is gone
+    (or broken) is an error with the worker's reason."""
     url = worker["url"]
-    settled = [
-        r for r in await store.on_worker(worker["id"]) if r["state"] in ("running", "paused")
-    ]
+    marker = f"worker {worker['id']} lost"
+    lost = [r for r in rows if r["state"] == "error" and (r["reason"] or "").startswith(marker)]
+    settled = [r for r in rows if r["state"] in ("running", "paused")]
     try:
         health = await workers.call("GET", f"{url}/health")
     except WorkerError as e:

@@ -277,19 +277,21 @@ class Store:
     ) -> Row:
         """Ask for a new desired state; Conflict unless the current state allows it."""
         s = t.sandboxes.c
+        conditions = [
+            s.id == sandbox_id,
+            s.tenant_id == tenant_id,
+            s.state.in_(allowed_from),
+            # A delete once asked for is never taken back by a later request.
+            s.desired_state != "deleted",
+        ]
+        if only_if_desired is not None:
+            conditions.append(s.desired_state == only_if_desired)
         async with self.engine.begin() as c:
             row = (
                 (
                     await c.execute(
                         t.sandboxes.update()
-                        .where(
-                            s.id == sandbox_id,
-                            s.tenant_id == tenant_id,
-                            s.state.in_(allowed_from),
-                            # A delete once asked for is never taken back by a later request.
-                            s.desired_state != "deleted",
-                            s.desired_state == (only_if_desired or s.desired_state),
-                        )
+                        .where(*conditions)
                         .values(desired_state=desired, updated_at=sa.func.now())
                         .returning(*t.sandboxes.c)
                     )
