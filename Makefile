@@ -17,7 +17,7 @@ deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 		qemu-system-x86 qemu-utils busybox-static mmdebstrap debootstrap ca-certificates \
 		btrfs-progs e2fsprogs util-linux kmod cpio lz4 zstd xz-utils nftables iproute2 \
-		python3-venv
+		python3-venv docker-registry apache2-utils
 
 venv: $(BIN)/space
 

@@ -1,0 +1,458 @@
+"""Build a template from a spec: the source as an ext4 image, then each step in a build VM.
+
+Every stage is a cache entry `<root>/template-cache/<key>/rootfs.ext4`, where the key chains a
+hash over the source's digest and every step so far (with the contents of the files a `copy`
+brings in). A step whose key is cached is not run: its disk is taken as it is, so changing step 5
+of 8 runs steps 5-8 only. A step that changes the disk boots a VM on a reflink of the previous
+disk, runs, powers the VM off and keeps that disk (a reflink again) as its own entry; `env` and
+`user` only change how later processes run, and need no VM.
+
+The finished template is `<root>/templates/<name>/<digest>/` (rootfs.ext4 + template.json),
+made in a temporary directory and renamed into place; a failed or cancelled build removes its
+temporary directories and its VM, so nothing half-built is ever left.
+
+`build_template(spec, env, log)` is the one entry point, for the CLI and the API alike; `log`
+receives the build's log line by line, always on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from space.worker.agent_client import AgentError
+from space.worker.local import LocalRuntime
+from space.worker.machine import BootImages, Machine
+from space.worker.storage.pool import Pool
+from space.worker.storage.reflink import clone_file
+from space.worker.templates import rootfs
+from space.worker.templates.errors import BuildError
+from space.worker.templates.record import RECORD_FILE, ROOTFS_FILE, TemplateRecord
+from space.worker.templates.sources import Source, resolve_source, tree_digest
+from space.worker.templates.spec import METADATA_KINDS, Step, TemplateSpec
+from space.worker.vmm.base import Driver
+
+Log = Callable[[str], None]
+# Bump when what a step does to the disk changes in a way its key does not show.
+RECIPE = 1
+CACHE_DIR = "template-cache"
+TEMPLATES_DIR = "templates"
+SHUTDOWN_TIMEOUT = 30.0
+
+# Runs in the build VM on the template's python3: unpacks the tar of a copy step from stdin.
+_UNPACK = (
+    "import os, sys, tarfile\n"
+    "os.makedirs(sys.argv[1], exist_ok=True)\n"
+    "kw = {'filter': 'fully_trusted'} if hasattr(tarfile, 'fully_trusted_filter') else {}\n"
+    "with tarfile.open(fileobj=sys.stdin.buffer, mode='r|') as tf:\n"
+    "    tf.extractall(sys.argv[1], **kw)\n"
+)
+
+
+@dataclass(frozen=True)
+class BuildEnv:
+    """What a build needs of the worker: a VMM driver, the pool, the guest kernel, a root."""
+
+    driver: Driver
+    pool: Pool
+    kernel: Path
+    initrd: Path | None
+    root: Path  # holds templates/ and template-cache/; on the pool's file system for reflinks
+
+    @classmethod
+    def from_runtime(cls, rt: LocalRuntime, root: Path | None = None) -> BuildEnv:
+        return cls(
+            driver=rt.driver,
+            pool=rt.pool,
+            kernel=rt.images.kernel,
+            initrd=rt.images.initrd,
+            root=root or rt.pool.root,
+        )
+
+    @property
+    def templates(self) -> Path:
+        return self.root / TEMPLATES_DIR
+
+    @property
+    def cache(self) -> Path:
+        return self.root / CACHE_DIR
+
+
+@dataclass
+class _State:
+    """How processes run at this point of the build: the image config changed by steps."""
+
+    env: dict[str, str]
+    workdir: str | None
+    user: str | None
+    descriptions: list[str] = field(default_factory=list)
+
+    def user_arg(self) -> str | int | None:
+        if self.user is None:
+            return None
+        name = self.user.split(":", 1)[0]  # "uid:gid" or "name:group": the agent takes a user
+        return int(name) if name.isdigit() else name
+
+
+def _chain(prev: str, part: Mapping[str, Any]) -> str:
+    blob = json.dumps(part, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(prev.encode() + b"\n" + blob).hexdigest()
+
+
+def _thread_safe(log: Log) -> Log:
+    """`log` for use from worker threads too: lines are handed to the loop's thread."""
+    loop = asyncio.get_running_loop()
+    owner = threading.get_ident()
+
+    def emit(line: str) -> None:
+        if threading.get_ident() == owner:
+            log(line)
+        else:
+            loop.call_soon_threadsafe(log, line)
+
+    return emit
+
+
+class _Cache:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def get(self, key: str) -> Path | None:
+        entry = self.root / key
+        return entry / ROOTFS_FILE if (entry / "entry.json").is_file() else None
+
+    def new_tmp(self) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+
+    def publish(self, tmp: Path, key: str, what: str) -> Path:
+        (tmp / "entry.json").write_text(
+            json.dumps({"key": key, "what": what, "created": time.time()}) + "\n"
+        )
+        os.chmod(tmp / ROOTFS_FILE, 0o444)  # entries are only ever cloned, never written
+        try:
+            tmp.rename(self.root / key)
+        except OSError:
+            # Another build made the same entry meanwhile: identical by its key, keep theirs.
+            shutil.rmtree(tmp, ignore_errors=True)
+            if self.get(key) is None:
+                raise
+        return self.root / key / ROOTFS_FILE
+
+
+async def build_template(
+    spec: TemplateSpec,
+    env: BuildEnv,
+    log: Log,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> TemplateRecord:
+    """Build (or find already built) the template `spec` describes; returns its record."""
+    started = time.monotonic()
+    log = _thread_safe(log)
+    cache = _Cache(env.cache)
+    log(f"template {spec.name}: from {spec.source}")
+    source = await resolve_source(
+        spec.source, log, credentials=spec.credentials(environ), insecure=spec.insecure
+    )
+    key = _chain("", {"recipe": RECIPE, "source": source.digest, "disk_mib": spec.disk_mib})
+    disk = cache.get(key)
+    if disk is not None:
+        log(f"source: cached ({source.digest[:19]})")
+    else:
+        disk = await _source_stage(source, spec, cache, key, log)
+    state = _State(dict(source.config.env), source.config.workdir, source.config.user)
+
+    for i, step in enumerate(spec.steps, 1):
+        desc = step.describe()
+        state.descriptions.append(desc)
+        identity = step.identity()
+        if step.kind == "copy":
+            assert step.src is not None
+            identity["content"] = await asyncio.to_thread(_copy_digest, step.src)
+        key = _chain(key, identity)
+        if step.kind in METADATA_KINDS:
+            _apply_metadata(step, state)
+            log(f"step {i}: {desc}")
+            continue
+        cached = cache.get(key)
+        if cached is not None:
+            log(f"step {i}: cached ({desc})")
+            disk = cached
+        else:
+            log(f"step {i}: {desc}")
+            t = time.monotonic()
+            disk = await _vm_step(env, spec, disk, step, i, state, cache, key, log)
+            log(f"step {i}: done in {time.monotonic() - t:.1f} s")
+        if step.kind == "workdir":
+            state.workdir = step.value
+
+    config = {
+        "env": state.env,
+        "workdir": state.workdir,
+        "user": state.user,
+        "entrypoint": source.config.entrypoint,
+        "cmd": source.config.cmd,
+        "start": spec.start,
+        "ready": spec.ready,
+    }
+    digest = _chain(key, config)[:16]
+    record = TemplateRecord(
+        name=spec.name,
+        digest=digest,
+        path=env.templates / spec.name / digest,
+        source=str(spec.source),
+        source_digest=source.digest,
+        size_bytes=disk.stat().st_size,
+        env=state.env,
+        workdir=state.workdir,
+        user=state.user,
+        entrypoint=source.config.entrypoint,
+        cmd=source.config.cmd,
+        start=spec.start,
+        ready=spec.ready,
+        steps=state.descriptions,
+        built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        build_seconds=round(time.monotonic() - started, 2),
+    )
+    if (record.path / RECORD_FILE).is_file():
+        log(f"template {spec.name}: {digest} was built before; nothing changed")
+        return TemplateRecord.load(record.path)
+    await asyncio.to_thread(_publish_template, record, disk)
+    log(f"template {spec.name}: built {record.path} in {record.build_seconds:.1f} s")
+    return record
+
+
+def _apply_metadata(step: Step, state: _State) -> None:
+    if step.kind == "env":
+        state.env.update(step.env)
+    elif step.kind == "user":
+        state.user = step.value
+
+
+async def _source_stage(
+    source: Source, spec: TemplateSpec, cache: _Cache, key: str, log: Log
+) -> Path:
+    tmp = cache.new_tmp()
+    try:
+        image = tmp / ROOTFS_FILE
+        size = spec.disk_mib << 20 if spec.disk_mib else None
+        if source.image is not None:
+            await asyncio.to_thread(clone_file, source.image, image)
+            os.chmod(image, 0o644)
+            if size:
+                await asyncio.to_thread(rootfs.grow_ext4, image, size, log)
+        else:
+            root = tmp / "root"
+            root.mkdir(mode=0o755)
+            t = time.monotonic()
+            await source.unpack(root, log)
+            log(f"unpacked in {time.monotonic() - t:.1f} s")
+            await asyncio.to_thread(rootfs.check_bootable, root)
+            await asyncio.to_thread(rootfs.make_ext4, root, image, log, size_bytes=size)
+            await asyncio.to_thread(shutil.rmtree, root)
+        return cache.publish(tmp, key, f"source {source.ref}")
+    except BaseException:
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        raise
+
+
+def _copy_digest(src: Path) -> str:
+    if src.is_dir():
+        return tree_digest(src)
+    h = hashlib.sha256(f"{src.stat().st_mode:o}\0".encode())
+    h.update(src.read_bytes())
+    return h.hexdigest()
+
+
+def _copy_tar(step: Step) -> tuple[bytes, str]:
+    """A tar of what a copy step brings in (owned by root) and where to unpack it."""
+    assert step.src is not None and step.dst is not None
+    buf = io.BytesIO()
+
+    def as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        return info
+
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        if step.src.is_dir():
+            dest = step.dst
+            for child in sorted(step.src.iterdir()):
+                tf.add(child, arcname=child.name, filter=as_root)
+        else:
+            if step.dst.endswith("/"):
+                dest, name = step.dst.rstrip("/") or "/", step.src.name
+            else:
+                dest, _, name = step.dst.rpartition("/")
+                dest = dest or "/"
+            tf.add(step.src, arcname=name, filter=as_root)
+    return buf.getvalue(), dest
+
+
+async def _vm_step(
+    env: BuildEnv,
+    spec: TemplateSpec,
+    disk: Path,
+    step: Step,
+    index: int,
+    state: _State,
+    cache: _Cache,
+    key: str,
+    log: Log,
+) -> Path:
+    images = BootImages(kernel=env.kernel, initrd=env.initrd, rootfs=disk)
+    m = await Machine.boot(
+        env.driver,
+        env.pool,
+        images,
+        vm_id=f"build-{uuid.uuid4().hex[:8]}",
+        vcpus=spec.vcpus,
+        memory_mib=spec.memory_mib,
+        hostname=f"build-{spec.name}"[:63],
+    )
+    try:
+        if step.kind == "workdir":
+            assert step.value is not None
+            await _run(
+                m, ["mkdir", "-p", step.value], state, index, step, log, cwd="/", as_user=False
+            )
+        elif step.kind == "run":
+            assert step.run is not None
+            if state.workdir:
+                mkdir = ["mkdir", "-p", state.workdir]
+                await _run(m, mkdir, state, index, step, log, cwd="/", as_user=False)
+            await _run(m, step.run, state, index, step, log, timeout=spec.step_timeout)
+        elif step.kind == "copy":
+            data, dest = await asyncio.to_thread(_copy_tar, step)
+            log(f"  copying {len(data) / 1e6:.1f} MB into {dest}")
+            await _run(
+                m, ["python3", "-c", _UNPACK, dest], state, index, step, log, cwd="/",
+                as_user=False, input=data,
+            )  # fmt: skip
+        else:
+            raise BuildError(f"step {index}: unknown kind {step.kind!r}")
+        # A clean power-off: the guest syncs, and the disk is whole when QEMU is gone.
+        with contextlib.suppress(AgentError):
+            await m.agent.shutdown()
+        try:
+            await asyncio.wait_for(m.vm.wait(), SHUTDOWN_TIMEOUT)
+        except TimeoutError:
+            log(f"step {index}: the build VM did not power off; stopping it")
+            await m.vm.stop()
+        tmp = cache.new_tmp()
+        try:
+            await asyncio.to_thread(clone_file, m.disk, tmp / ROOTFS_FILE)
+            return cache.publish(tmp, key, step.describe())
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        await m.close()
+
+
+async def _run(
+    m: Machine,
+    cmd: str | list[str],
+    state: _State,
+    index: int,
+    step: Step,
+    log: Log,
+    *,
+    cwd: str | None = None,
+    as_user: bool = True,
+    timeout: float | None = None,
+    input: bytes | None = None,
+) -> None:
+    """Run a command in the build VM, its output to the log; a failure raises BuildError."""
+    proc = await m.agent.exec(
+        cmd,
+        env=state.env,
+        cwd=cwd if cwd is not None else state.workdir,
+        user=state.user_arg() if as_user else None,
+        timeout=timeout,
+        stdin=input is not None,
+    )
+    tail: list[str] = []
+    partial = {"stdout": b"", "stderr": b""}
+
+    def emit(text: bytes) -> None:
+        line = text.decode(errors="replace").rstrip()
+        tail.append(line)
+        del tail[:-15]
+        log(f"  | {line}")
+
+    async def feed() -> None:
+        if input is not None:
+            await proc.write(input)
+            await proc.close_stdin()
+
+    feeder = asyncio.ensure_future(feed())
+    try:
+        async for stream, data in proc:
+            lines = (partial[stream] + data).split(b"\n")
+            partial[stream] = lines.pop()
+            for line in lines:
+                emit(line)
+        await feeder
+    finally:
+        feeder.cancel()
+    for rest in partial.values():
+        if rest:
+            emit(rest)
+    result = await proc.wait()
+    if result.exit_code != 0:
+        how = (
+            "timed out"
+            if result.timed_out
+            else f"was killed by signal {result.signal}"
+            if result.signal
+            else f"failed with exit code {result.exit_code}"
+        )
+        last = "\n  ".join(tail) or "(no output)"
+        raise BuildError(f"step {index} ({step.describe()}) {how}; last output:\n  {last}")
+
+
+def _publish_template(record: TemplateRecord, disk: Path) -> None:
+    parent = record.path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
+    try:
+        clone_file(disk, tmp / ROOTFS_FILE)
+        os.chmod(tmp / ROOTFS_FILE, 0o444)  # templates are immutable; sandboxes get clones
+        (tmp / RECORD_FILE).write_text(json.dumps(record.to_json(), indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        tmp.rename(record.path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (record.path / RECORD_FILE).is_file():
+            raise
+
+
+def list_templates(root: Path) -> list[TemplateRecord]:
+    """Every built template under `root/templates`, newest build of each name last."""
+    out: list[TemplateRecord] = []
+    base = root / TEMPLATES_DIR
+    if not base.is_dir():
+        return out
+    for record_file in sorted(base.glob(f"*/*/{RECORD_FILE}")):
+        if record_file.parent.name.startswith("."):
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            out.append(TemplateRecord.load(record_file.parent))
+    out.sort(key=lambda r: (r.name, r.built_at))
+    return out

@@ -1,0 +1,90 @@
+"""A built template as stored on disk: `<root>/templates/<name>/<digest>/template.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RECORD_FILE = "template.json"
+ROOTFS_FILE = "rootfs.ext4"
+
+
+@dataclass(frozen=True)
+class TemplateRecord:
+    """What the worker needs to run sandboxes of a template.
+
+    `env`, `workdir` and `user` are the defaults for processes in its sandboxes (from the image
+    config, changed by the steps); `entrypoint` + `cmd` is the image's own command; `start` is
+    the spec's start command (run once the sandbox is up) and `ready` a command that exits 0
+    once the started service is ready.
+    """
+
+    name: str
+    digest: str
+    path: Path  # the template directory
+    source: str
+    source_digest: str
+    size_bytes: int
+    env: dict[str, str]
+    workdir: str | None = None
+    user: str | None = None
+    entrypoint: list[str] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)
+    start: str | None = None
+    ready: str | None = None
+    steps: list[str] = field(default_factory=list)
+    built_at: str = ""
+    build_seconds: float = 0.0
+
+    @property
+    def rootfs(self) -> Path:
+        return self.path / ROOTFS_FILE
+
+    @property
+    def command(self) -> list[str]:
+        """The image's default command: entrypoint followed by cmd."""
+        return [*self.entrypoint, *self.cmd]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "digest": self.digest,
+            "source": self.source,
+            "source_digest": self.source_digest,
+            "rootfs": ROOTFS_FILE,
+            "size_bytes": self.size_bytes,
+            "env": dict(self.env),
+            "workdir": self.workdir,
+            "user": self.user,
+            "entrypoint": list(self.entrypoint),
+            "cmd": list(self.cmd),
+            "start": self.start,
+            "ready": self.ready,
+            "steps": list(self.steps),
+            "built_at": self.built_at,
+            "build_seconds": self.build_seconds,
+        }
+
+    @classmethod
+    def load(cls, path: Path) -> TemplateRecord:
+        data = json.loads((path / RECORD_FILE).read_text())
+        return cls(
+            name=str(data["name"]),
+            digest=str(data["digest"]),
+            path=path,
+            source=str(data["source"]),
+            source_digest=str(data["source_digest"]),
+            size_bytes=int(data["size_bytes"]),
+            env={str(k): str(v) for k, v in data["env"].items()},
+            workdir=data.get("workdir"),
+            user=data.get("user"),
+            entrypoint=list(data.get("entrypoint") or []),
+            cmd=list(data.get("cmd") or []),
+            start=data.get("start"),
+            ready=data.get("ready"),
+            steps=list(data.get("steps") or []),
+            built_at=str(data.get("built_at", "")),
+            build_seconds=float(data.get("build_seconds", 0.0)),
+        )

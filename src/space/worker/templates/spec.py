@@ -1,0 +1,263 @@
+"""The template spec, `space.toml`: where a template starts from and the steps that change it.
+
+[template]
+name = "web"
+from = "oci://localhost:5000/python:3.11-slim"   # see sources.py for every kind
+insecure = true          # a plain-HTTP registry (local ones only)
+disk_mib = 2048          # the build disk (default: content + headroom)
+memory_mib = 512         # the build VM
+start = "python3 -m http.server 8000"            # started in each sandbox
+ready = "python3 -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000\")'"
+
+[template.registry]      # credentials by the names of environment variables, never literal
+username_env = "REGISTRY_USER"
+password_env = "REGISTRY_PASSWORD"
+
+[[steps]]
+run = "pip install -r /app/requirements.txt"
+[[steps]]
+copy = { src = "app/", dst = "/app" }      # src is relative to the spec's directory
+[[steps]]
+env = { APP_ENV = "prod" }
+[[steps]]
+workdir = "/app"
+[[steps]]
+user = "nobody"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from space.worker.templates.errors import SpecError
+from space.worker.templates.registry import Credentials
+from space.worker.templates.sources import SourceRef
+
+SPEC_FILE = "space.toml"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+STEP_KINDS = ("run", "copy", "env", "workdir", "user")
+# Steps that change only how later processes run, not the disk: they need no VM.
+METADATA_KINDS = ("env", "user")
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str
+    run: str | None = None
+    src: Path | None = None  # copy: an absolute path inside the spec's directory
+    src_text: str | None = None  # copy: as written in the spec
+    dst: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    value: str | None = None  # workdir, user
+
+    def describe(self) -> str:
+        if self.kind == "run":
+            return f"run: {self.run}"
+        if self.kind == "copy":
+            return f"copy: {self.src_text} -> {self.dst}"
+        if self.kind == "env":
+            return "env: " + " ".join(f"{k}={v}" for k, v in self.env.items())
+        return f"{self.kind}: {self.value}"
+
+    def identity(self) -> dict[str, Any]:
+        """What of the step goes into its cache key (copied contents are added by the builder)."""
+        return {
+            "kind": self.kind,
+            "run": self.run,
+            "src": self.src_text,
+            "dst": self.dst,
+            "env": self.env,
+            "value": self.value,
+        }
+
+
+@dataclass(frozen=True)
+class TemplateSpec:
+    name: str
+    source: SourceRef
+    context: Path  # the spec's directory: copy sources and relative paths live under it
+    steps: list[Step] = field(default_factory=list)
+    start: str | None = None
+    ready: str | None = None
+    insecure: bool = False
+    username_env: str | None = None
+    password_env: str | None = None
+    disk_mib: int | None = None
+    memory_mib: int = 512
+    vcpus: int = 1
+    step_timeout: float = 3600.0
+
+    def credentials(self, environ: Mapping[str, str] | None = None) -> Credentials | None:
+        """The registry credentials, read from the environment variables the spec names."""
+        if self.username_env is None:
+            return None
+        env = os.environ if environ is None else environ
+        missing = [n for n in (self.username_env, self.password_env) if n and n not in env]
+        if missing:
+            raise SpecError(
+                f"template {self.name}: the registry credentials come from the environment "
+                f"variable(s) {', '.join(missing)}, which are not set"
+            )
+        assert self.password_env is not None
+        return Credentials(env[self.username_env], env[self.password_env])
+
+
+def load_spec(path: Path) -> TemplateSpec:
+    """Read and check a spec file (a directory means its space.toml)."""
+    if path.is_dir():
+        path = path / SPEC_FILE
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"cannot read the template spec {path}: {e.strerror}") from None
+    return parse_spec(text, path.parent.resolve(), where=str(path))
+
+
+def _keys(table: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(table) - set(allowed))
+    if unknown:
+        raise SpecError(
+            f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(allowed)})"
+        )
+
+
+def _str(table: Mapping[str, Any], key: str, where: str, required: bool = False) -> str | None:
+    value = table.get(key)
+    if value is None:
+        if required:
+            raise SpecError(f"{where}: '{key}' is required")
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(f"{where}: '{key}' must be a non-empty string")
+    return value
+
+
+def _int(table: Mapping[str, Any], key: str, where: str, lo: int, hi: int) -> int | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise SpecError(f"{where}: '{key}' must be a whole number from {lo} to {hi}")
+    return value
+
+
+def parse_spec(text: str, context: Path, *, where: str = SPEC_FILE) -> TemplateSpec:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{where} is not valid TOML: {e}") from None
+    _keys(data, ("template", "steps"), where)
+    tpl = data.get("template")
+    if not isinstance(tpl, dict):
+        raise SpecError(f"{where}: a [template] table with 'name' and 'from' is required")
+    w = f"{where} [template]"
+    _keys(
+        tpl,
+        ("name", "from", "insecure", "registry", "disk_mib", "memory_mib", "vcpus", "start",
+         "ready", "step_timeout"),
+        w,
+    )  # fmt: skip
+    name = _str(tpl, "name", w, required=True)
+    assert name is not None
+    if not _NAME.match(name):
+        raise SpecError(f"{w}: name {name!r} must be lower-case letters, digits, '.', '_', '-'")
+    source_text = _str(tpl, "from", w, required=True)
+    assert source_text is not None
+    source = SourceRef.parse(source_text, context)
+    insecure = tpl.get("insecure", False)
+    if not isinstance(insecure, bool):
+        raise SpecError(f"{w}: 'insecure' must be true or false")
+
+    username_env = password_env = None
+    reg = tpl.get("registry")
+    if reg is not None:
+        wr = f"{where} [template.registry]"
+        if not isinstance(reg, dict):
+            raise SpecError(f"{wr} must be a table")
+        for literal in ("username", "password", "token"):
+            if literal in reg:
+                raise SpecError(
+                    f"{wr}: '{literal}' is not accepted: secrets never go into spec files; put "
+                    f"it in an environment variable and name that with '{literal}_env'"
+                    if literal != "token"
+                    else f"{wr}: tokens are not supported; use username_env and password_env"
+                )
+        _keys(reg, ("username_env", "password_env"), wr)
+        username_env = _str(reg, "username_env", wr, required=True)
+        password_env = _str(reg, "password_env", wr, required=True)
+        for var in (username_env, password_env):
+            assert var is not None
+            if not _ENV_NAME.match(var):
+                raise SpecError(f"{wr}: {var!r} is not an environment variable name")
+
+    raw_steps = data.get("steps", [])
+    if not isinstance(raw_steps, list):
+        raise SpecError(f"{where}: 'steps' must be an array of tables ([[steps]])")
+    steps = [_step(s, i, context, where) for i, s in enumerate(raw_steps, 1)]
+    step_timeout = tpl.get("step_timeout", 3600)
+    if not isinstance(step_timeout, int | float) or step_timeout <= 0:
+        raise SpecError(f"{w}: 'step_timeout' must be a positive number of seconds")
+    return TemplateSpec(
+        name=name,
+        source=source,
+        context=context,
+        steps=steps,
+        start=_str(tpl, "start", w),
+        ready=_str(tpl, "ready", w),
+        insecure=insecure,
+        username_env=username_env,
+        password_env=password_env,
+        disk_mib=_int(tpl, "disk_mib", w, 256, 1 << 20),
+        memory_mib=_int(tpl, "memory_mib", w, 128, 65536) or 512,
+        vcpus=_int(tpl, "vcpus", w, 1, 64) or 1,
+        step_timeout=float(step_timeout),
+    )
+
+
+def _step(raw: Any, i: int, context: Path, where: str) -> Step:
+    w = f"{where} step {i}"
+    if not isinstance(raw, dict):
+        raise SpecError(f"{w}: each [[steps]] entry must be a table")
+    kinds = [k for k in STEP_KINDS if k in raw]
+    _keys(raw, STEP_KINDS, w)
+    if len(kinds) != 1:
+        raise SpecError(f"{w}: give exactly one of {', '.join(STEP_KINDS)} (got {len(kinds)})")
+    kind = kinds[0]
+    if kind == "run":
+        return Step("run", run=_str(raw, "run", w, required=True))
+    if kind in ("workdir", "user"):
+        value = _str(raw, kind, w, required=True)
+        assert value is not None
+        if kind == "workdir" and not value.startswith("/"):
+            raise SpecError(f"{w}: workdir must be an absolute path")
+        return Step(kind, value=value)
+    if kind == "env":
+        env = raw["env"]
+        if not isinstance(env, dict) or not env:
+            raise SpecError(f'{w}: env must be a table of NAME = "value"')
+        for k, v in env.items():
+            if not _ENV_NAME.match(k) or not isinstance(v, str):
+                raise SpecError(f"{w}: env {k!r} must be a variable name with a string value")
+        return Step("env", env=dict(env))
+    copy = raw["copy"]
+    if not isinstance(copy, dict):
+        raise SpecError(f'{w}: copy must be a table {{ src = "...", dst = "/..." }}')
+    _keys(copy, ("src", "dst"), f"{w} copy")
+    src_text = _str(copy, "src", f"{w} copy", required=True)
+    dst = _str(copy, "dst", f"{w} copy", required=True)
+    assert src_text is not None and dst is not None
+    if not dst.startswith("/"):
+        raise SpecError(f"{w}: copy dst must be an absolute path in the image")
+    src = (context / src_text).resolve()
+    if src != context and context not in src.parents:
+        raise SpecError(f"{w}: copy src {src_text!r} is outside the spec's directory {context}")
+    if not src.exists():
+        raise SpecError(f"{w}: copy src {src_text!r} does not exist ({src})")
+    return Step("copy", src=src, src_text=src_text, dst=dst)
