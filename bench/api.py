@@ -14,43 +14,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from space.db import embedded, migrate
+from services import platform
 from space.db import tables as t
-from space.db.store import Store, connect
+from space.db.store import Store
 from space.worker.local import local_runtime
 from space.worker.machine import Machine
 from vm_runtime import percentile_table, percentiles
 
-SPACE = [sys.executable, "-m", "space.cli.main"]
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def bootstrap(url: str) -> tuple[str, str, str, str]:
-    store = Store(connect(url))
-    await migrate.upgrade(store.engine)
-    await store.ensure_template("base")
+async def setup(store: Store) -> dict[str, str]:
     small = await store.create_tenant(f"bench-{secrets.token_hex(3)}")
     big = await store.create_tenant(f"bench-big-{secrets.token_hex(3)}")
-    keys = (await store.create_api_key(small.id), await store.create_api_key(big.id))
     # 10,000 rows of past sandboxes in one tenant, as an audit history would hold.
     for i in range(0, 10_000, 1000):
         async with store.engine.begin() as c:
@@ -73,8 +55,7 @@ async def bootstrap(url: str) -> tuple[str, str, str, str]:
                     for j in range(i, i + 1000)
                 ],
             )
-    await store.close()
-    return keys[0], keys[1], small.id, big.id
+    return {"key": await store.create_api_key(small.id), "big": await store.create_api_key(big.id)}
 
 
 def timed(n: int, fn: Any) -> list[float]:
@@ -125,39 +106,17 @@ def main() -> None:
     parser.add_argument("--lists", type=int, default=100)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="space-bench-"))
-    url = embedded.start(tmp / "pg")
-    key, big_key, _, _ = asyncio.run(bootstrap(url))
-    port = free_port()
-    env = {**os.environ, "SPACE_DATABASE_URL": url, "SPACE_WORKER_SECRET": secrets.token_hex(16)}
-    worker_id = f"bench{secrets.token_hex(2)}"
-    procs = [
-        subprocess.Popen(
-            [*SPACE, "worker", "--id", worker_id, "--port", str(free_port())],
-            env=env,
-            stderr=subprocess.DEVNULL,
-        ),
-        subprocess.Popen([*SPACE, "controller"], env=env, stderr=subprocess.DEVNULL),
-        subprocess.Popen([*SPACE, "api", "--port", str(port)], env=env, stderr=subprocess.DEVNULL),
-    ]
     results: dict[str, Any] = {}
-    try:
-        base = f"http://127.0.0.1:{port}"
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        c = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=300)
+    with platform(setup) as (p, keys):
+        c = p.client(keys["key"])
         # The first create builds the worker's base snapshot (a cold boot): not part of the figure.
         c.delete(f"/v1/sandboxes/{c.post('/v1/sandboxes', json={}).json()['id']}")
         creates = []
         for _ in range(args.creates):
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             sid = c.post("/v1/sandboxes", json={}).json()["id"]
             api_exec(c, sid)
-            creates.append(time.perf_counter() - t)
+            creates.append(time.perf_counter() - t0)
             c.delete(f"/v1/sandboxes/{sid}")  # one at a time, as the runtime baseline does
         results["api_create_to_first_exec"] = percentiles(creates)
         sid = c.post("/v1/sandboxes", json={}).json()["id"]
@@ -166,7 +125,7 @@ def main() -> None:
         results["list_10_rows"] = percentiles(
             timed(args.lists, lambda: c.get("/v1/sandboxes", params={"limit": 50}))
         )
-        big = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {big_key}"})
+        big = p.client(keys["big"])
         results["list_10000_rows"] = percentiles(
             timed(args.lists, lambda: big.get("/v1/sandboxes", params={"limit": 50}))
         )
@@ -176,16 +135,6 @@ def main() -> None:
                 lambda: big.get("/v1/sandboxes", params={"limit": 50, "metadata.batch": "3"}),
             )
         )
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
-        embedded.stop(tmp / "pg")
-        shutil.rmtree(tmp, ignore_errors=True)
-        # The bench worker's base snapshots and leftovers.
-        pool = asyncio.run(local_runtime()).pool
-        shutil.rmtree(pool.root / "workers" / worker_id, ignore_errors=True)
     results.update(asyncio.run(direct_baselines(args.execs, args.creates)))
     print("\n".join(percentile_table(results)))
     print(json.dumps(results, indent=2))

@@ -28,10 +28,12 @@ if TYPE_CHECKING:
         Files,
         ListFilters,
         NotFoundError,
+        PoolInfo,
         Sandbox,
         SandboxInfo,
         Space,
         SpaceError,
+        TemplateInfo,
         ValidationError,
     )
 
@@ -54,10 +56,12 @@ __all__ = [
     "Files",
     "ListFilters",
     "NotFoundError",
+    "PoolInfo",
     "Sandbox",
     "SandboxInfo",
     "Space",
     "SpaceError",
+    "TemplateInfo",
     "ValidationError",
     "__version__",
 ]

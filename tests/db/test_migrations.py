@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Connection
 
-from space.db import embedded, migrate
+from space.db import migrate
 from space.db.store import connect
 from space.db.tables import metadata
-
-
-@pytest.fixture(scope="module")
-def database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    pgdata: Path = tmp_path_factory.mktemp("pg") / "data"
-    url = embedded.start(pgdata)
-    yield url
-    embedded.stop(pgdata)
 
 
 async def test_upgrade_matches_the_declared_tables_and_is_repeatable(database: str) -> None:

@@ -80,6 +80,8 @@ class Platform:
     database_url: str
     key_a: str
     key_b: str
+    admin_key: str
+    controller_metrics: str
     api: Service
     controller: Service
     workers: dict[str, Service] = field(default_factory=dict)
@@ -122,14 +124,20 @@ class Platform:
         )
 
 
-async def _bootstrap(url: str) -> tuple[str, str]:
+async def _bootstrap(url: str) -> tuple[str, str, str]:
+    """Keys of tenants A and B, and an admin key of a third tenant."""
     store = Store(connect(url))
     try:
         await migrate.upgrade(store.engine)
         await store.ensure_template("base")
         a = await store.create_tenant(f"a-{secrets.token_hex(4)}")
         b = await store.create_tenant(f"b-{secrets.token_hex(4)}")
-        return await store.create_api_key(a.id), await store.create_api_key(b.id)
+        ops = await store.create_tenant(f"ops-{secrets.token_hex(4)}")
+        return (
+            await store.create_api_key(a.id),
+            await store.create_api_key(b.id),
+            await store.create_api_key(ops.id, admin=True),
+        )
     finally:
         await store.close()
 
@@ -141,8 +149,9 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     tmp = tmp_path_factory.mktemp("platform")
     pgdata = tmp / "pg"
     url = embedded.start(pgdata)
-    key_a, key_b = asyncio.run(_bootstrap(url))
+    key_a, key_b, admin_key = asyncio.run(_bootstrap(url))
     port = free_port()
+    metrics = f"127.0.0.1:{free_port()}"
     env = {
         **os.environ,
         "SPACE_DATABASE_URL": url,
@@ -150,12 +159,15 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         "SPACE_WORKER_DEAD_AFTER": "3",
         "SPACE_WORKER_VCPUS": "64",
         "SPACE_WORKER_MEMORY_MIB": "16384",
+        "SPACE_CONTROLLER_METRICS": metrics,
     }
     p = Platform(
         api_url=f"http://127.0.0.1:{port}",
         database_url=url,
         key_a=key_a,
         key_b=key_b,
+        admin_key=admin_key,
+        controller_metrics=f"http://{metrics}/metrics",
         api=Service("api", ["api", "--port", str(port)], env, tmp / "api.log"),
         controller=Service("controller", ["controller"], env, tmp / "controller.log"),
         env=env,

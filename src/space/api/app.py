@@ -11,7 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from space import __version__
-from space.api import data, errors, sandboxes
+from space.api import data, errors, metrics, sandboxes, templates
 from space.api.deps import Services
 from space.db import migrate
 from space.db.listen import Listener
@@ -46,6 +46,8 @@ def create_app(database_url: str, worker_secret: str) -> FastAPI:
     errors.install(app)
     app.include_router(sandboxes.router)
     app.include_router(data.router)
+    app.include_router(templates.router)
+    app.include_router(metrics.router)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:

@@ -6,13 +6,16 @@ import base64
 import binascii
 import json
 import secrets
+import time
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
+from sqlalchemy.exc import IntegrityError
 
 from space.api.deps import Caller, Svc
 from space.api.errors import APIError
+from space.api.metrics import CLAIMS, CREATE
 from space.api.schemas import (
     Event,
     EventList,
@@ -21,7 +24,8 @@ from space.api.schemas import (
     SandboxList,
     TimeoutUpdate,
 )
-from space.db.store import Row
+from space.db.store import PoolMemberBroken, Row
+from space.worker.client import WorkerError
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 
@@ -61,19 +65,49 @@ async def create_sandbox(
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
     wait: Wait = True,
 ) -> Sandbox:
+    """A running sandbox: claimed from the template's warm pool when one of this shape is
+    ready (`boot` says "pool"), else restored from its base snapshot, else booted."""
+    started = time.perf_counter()
     if not await svc.store.template_exists(body.template):
         raise APIError(404, f"no template {body.template!r}")
     values = body.model_dump()
-    values["id"] = body.id or f"sb-{secrets.token_hex(8)}"
     values["idempotency_key"] = idempotency_key
-    row, created = await svc.store.create_sandbox(caller.id, values)
+    row = await _claim(svc, caller, values) if body.id is None else None
+    created = True
+    if row is None:
+        values["id"] = body.id or f"sb-{secrets.token_hex(8)}"
+        row, created = await svc.store.create_sandbox(caller.id, values)
+        if wait:
+            row = await svc.wait_for(row["id"], _settled, WAIT_S)
     if not created:
         response.status_code = 200
-    if wait:
-        row = await svc.wait_for(row["id"], _settled, WAIT_S)
-    elif created:
+    elif row["state"] != "running" and not wait:
         response.status_code = 202
+    if created and row["state"] == "running":
+        CREATE.labels(row["template"], row["boot"] or "").observe(time.perf_counter() - started)
     return Sandbox.from_row(row)
+
+
+async def _claim(svc: Svc, caller: Caller, values: dict[str, Any]) -> Row | None:
+    """A warm-pool member handed over to the caller, or None (a miss, or a repeated request)."""
+    key = values["idempotency_key"]
+    if key and await svc.store.by_idempotency_key(caller.id, key) is not None:
+        return None  # the create path answers with the sandbox made the first time
+
+    async def personalise(member: Row, worker_url: str) -> None:
+        try:
+            await svc.workers.call(
+                "POST", f"{worker_url}/vms/{member['id']}/claim", json={"env": values["env"]}
+            )
+        except WorkerError as e:
+            raise PoolMemberBroken(e.detail) from e
+
+    try:
+        row = await svc.store.claim_pooled(caller.id, values, personalise)
+    except IntegrityError:
+        return None  # the same idempotency key raced us; the create path sorts it out
+    CLAIMS.labels(values["template"], "miss" if row is None else "hit").inc()
+    return row
 
 
 @router.get("/{sandbox_id}", response_model=Sandbox)

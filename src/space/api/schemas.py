@@ -73,10 +73,45 @@ class Sandbox(BaseModel):
     worker_id: str | None
     created_at: datetime
     updated_at: datetime
+    boot: Literal["pool", "restore", "cold"] | None = Field(
+        description="how it first came to run: claimed from the warm pool, restored from the "
+        "template's base snapshot, or booted; null until it runs"
+    )
 
     @classmethod
     def from_row(cls, row: Any) -> Sandbox:
         return cls.model_validate({k: row[k] for k in cls.model_fields})
+
+
+class PoolSettings(Strict):
+    size: int = Field(ge=0, le=1000, description="members to keep ready; 0 turns the pool off")
+    vcpus: int = Field(1, ge=1, le=16)
+    memory_mib: int = Field(256, ge=128, le=16384)
+    disk_mib: int = Field(1024, ge=256, le=262144)
+
+
+class Pool(PoolSettings):
+    ready: int = Field(description="members running and waiting to be claimed")
+    starting: int = Field(description="members on their way")
+
+
+class Template(BaseModel):
+    id: str
+    created_at: datetime
+    pool: Pool = Field(description="creates of exactly this shape are served from the pool")
+
+    @classmethod
+    def from_row(cls, row: Any) -> Template:
+        pool = Pool(
+            size=row["pool_size"], vcpus=row["pool_vcpus"], memory_mib=row["pool_memory_mib"],
+            disk_mib=row["pool_disk_mib"], ready=row["pool_ready"],
+            starting=row["pool_starting"],
+        )  # fmt: skip
+        return cls(id=row["id"], created_at=row["created_at"], pool=pool)
+
+
+class TemplateList(BaseModel):
+    items: list[Template]
 
 
 class SandboxList(BaseModel):

@@ -37,14 +37,18 @@ def admin() -> None:
 @admin.command("create-key")
 @click.argument("tenant")
 @click.option("--name", default="", help="a label for the key")
-def create_key(tenant: str, name: str) -> None:
+@click.option("--admin", "admin_", is_flag=True, help="may also manage templates and warm pools")
+def create_key(tenant: str, name: str, admin_: bool) -> None:
     """Print a new API key for TENANT (a name; the tenant is made if it does not exist)."""
 
     async def go(store: Store) -> str:
         t = await store.create_tenant(tenant)
-        return await store.create_api_key(t.id, name)
+        return await store.create_api_key(t.id, name, admin=admin_)
 
-    click.echo(_run(go))
+    try:
+        click.echo(_run(go))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @admin.command("revoke-key")

@@ -9,8 +9,10 @@ import click
 from space import __version__
 from space.cli.admin import admin
 from space.cli.images import image
+from space.cli.pools import pool
 from space.cli.sandbox import cp, exec_, sandbox, shell
 from space.cli.services import api, controller, up, worker
+from space.cli.templates import template
 from space.cli.vm import vm
 
 
@@ -31,6 +33,8 @@ cli.add_command(sandbox)
 cli.add_command(exec_)
 cli.add_command(shell)
 cli.add_command(cp)
+cli.add_command(template)
+cli.add_command(pool)
 for command in (up, api, controller, worker, admin):
     cli.add_command(command)
 

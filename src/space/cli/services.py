@@ -72,8 +72,9 @@ def worker(worker_id: str, host: str, port: int, url: str | None) -> None:
     )
 
 
-async def _bootstrap(url: str, api_url: str) -> str:
-    """Schema, the `base` template, the default tenant and an API key (reused if still valid)."""
+async def _bootstrap(url: str, api_url: str, pool: int) -> str:
+    """Schema, the `base` template and its warm pool, the default tenant and an admin API key
+    (reused if still valid)."""
     store = Store(connect(url))
     try:
         await migrate.upgrade(store.engine)
@@ -82,9 +83,12 @@ async def _bootstrap(url: str, api_url: str) -> str:
             saved: str | None = resolve_credentials(api_url).api_key
         except SpaceError:
             saved = None
-        if saved is None or await store.authenticate(saved) is None:
+        known = await store.authenticate(saved) if saved else None
+        if saved is None or known is None or not known.admin:
+            # The operator's own key: it may also size the warm pools.
             tenant = await store.create_tenant("default")
-            saved = await store.create_api_key(tenant.id, "space up")
+            saved = await store.create_api_key(tenant.id, "space up", admin=True)
+        await store.set_pool("base", pool, 1, 256, 1024)
         save_credentials(Credentials(api_url, saved))
         return saved
     finally:
@@ -121,7 +125,17 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float
 @click.command()
 @click.option("--port", type=int, default=8080, show_default=True, help="API port")
 @click.option("--worker-port", type=int, default=8091, show_default=True)
-def up(port: int, worker_port: int) -> None:
+@click.option(
+    "--pool",
+    type=click.IntRange(0, 1000),
+    default=2,
+    show_default=True,
+    help="warm-pool size of the base template (1 vCPU, 256 MiB, 1 GiB disk)",
+)
+@click.option(
+    "--metrics-port", type=int, default=9464, show_default=True, help="controller metrics"
+)
+def up(port: int, worker_port: int, pool: int, metrics_port: int) -> None:
     """Bring the whole platform up on this machine and print how to use it."""
     from space.cli.images import base_cmd, kernel_cmd
 
@@ -133,9 +147,13 @@ def up(port: int, worker_port: int) -> None:
     click.secho("space up: database", bold=True, err=True)
     db_url = embedded.database_url()
     api_url = f"http://127.0.0.1:{port}"
-    key = asyncio.run(_bootstrap(db_url, api_url))
+    key = asyncio.run(_bootstrap(db_url, api_url, pool))
     space = [sys.executable, "-m", "space.cli.main"]
-    env = {**os.environ, "SPACE_DATABASE_URL": db_url}
+    env = {
+        **os.environ,
+        "SPACE_DATABASE_URL": db_url,
+        "SPACE_CONTROLLER_METRICS": f"127.0.0.1:{metrics_port}",
+    }
     procs = [
         subprocess.Popen(
             [*space, "worker", "--port", str(worker_port)], env=env, preexec_fn=_die_with_parent
@@ -169,6 +187,8 @@ SPACE is up.
   API:      {api_url}   (OpenAPI: {api_url}/openapi.json)
   API key:  {key}
   saved in  {credentials_path()}  (the CLI and SDK read it)
+  Metrics:  {api_url}/metrics  and  http://127.0.0.1:{metrics_port}/metrics (controller)
+  Warm pool: {pool} base sandboxes kept ready (`space pool set base N` changes it)
 
   space sandbox create            # prints a sandbox id
   space exec <id> -- uname -a

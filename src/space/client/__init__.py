@@ -13,7 +13,14 @@ from space.client._errors import (
     SpaceError,
     ValidationError,
 )
-from space.client._models import Event, ExecResult, FileEntry, SandboxInfo
+from space.client._models import (
+    Event,
+    ExecResult,
+    FileEntry,
+    PoolInfo,
+    SandboxInfo,
+    TemplateInfo,
+)
 from space.client._sync import ExecStream, Files, Sandbox, Space
 
 __all__ = [
@@ -35,9 +42,11 @@ __all__ = [
     "Files",
     "ListFilters",
     "NotFoundError",
+    "PoolInfo",
     "Sandbox",
     "SandboxInfo",
     "Space",
     "SpaceError",
+    "TemplateInfo",
     "ValidationError",
 ]

@@ -23,7 +23,7 @@ from space.client._calls import (
 )
 from space.client._errors import NotFoundError, error_from_response, transport_errors
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
-from space.client._models import Event, ExecResult, FileEntry, SandboxInfo
+from space.client._models import Event, ExecResult, FileEntry, SandboxInfo, TemplateInfo
 
 T = TypeVar("T")
 
@@ -63,6 +63,23 @@ class AsyncSpace:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    async def templates(self) -> list[TemplateInfo]:
+        """Every template, with the state of its warm pool."""
+        return await self._call(calls.templates())
+
+    async def set_pool(
+        self,
+        template: str,
+        size: int,
+        *,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+        disk_mib: int | None = None,
+    ) -> TemplateInfo:
+        """Keep `size` sandboxes of this shape restored and ready for `template` (admin keys
+        only); creates of exactly that shape are then served from the pool."""
+        return await self._call(calls.set_pool(template, size, vcpus, memory_mib, disk_mib))
 
     async def _call(self, call: Call[T], content: bytes | AsyncIterable[bytes] | None = None) -> T:
         with transport_errors(self.base_url):

@@ -19,13 +19,14 @@ import httpx
 from space import __version__
 from space.client._config import resolve_credentials
 from space.client._errors import SpaceError
-from space.client._models import Event, FileEntry, SandboxInfo
+from space.client._models import Event, FileEntry, SandboxInfo, TemplateInfo
 
 T = TypeVar("T")
 HTTPClient = TypeVar("HTTPClient", httpx.Client, httpx.AsyncClient)
 Client = TypeVar("Client")
 
 SANDBOXES = "/v1/sandboxes"
+TEMPLATES = "/v1/templates"
 # Lifecycle calls answer once the change is done, which the API waits for up to 300 s.
 DEFAULT_TIMEOUT = 330.0
 CHUNK_SIZE = 1 << 20
@@ -226,6 +227,27 @@ def events(sandbox_id: str) -> Call[list[Event]]:
         "GET",
         _sandbox(sandbox_id, "/events"),
         _json(lambda data: [Event.from_json(item) for item in data["items"]]),
+    )
+
+
+# Templates and warm pools
+
+
+def templates() -> Call[list[TemplateInfo]]:
+    return Call(
+        "GET", TEMPLATES, _json(lambda data: [TemplateInfo.from_json(t) for t in data["items"]])
+    )
+
+
+def set_pool(
+    template: str, size: int, vcpus: int | None, memory_mib: int | None, disk_mib: int | None
+) -> Call[TemplateInfo]:
+    shape = {"vcpus": vcpus, "memory_mib": memory_mib, "disk_mib": disk_mib}
+    return Call(
+        "PUT",
+        f"{TEMPLATES}/{quote(template, safe='')}/pool",
+        _json(TemplateInfo.from_json),
+        body={"size": size, **{k: v for k, v in shape.items() if v is not None}},
     )
 
 

@@ -39,6 +39,7 @@ class SandboxInfo:
     worker_id: str | None
     created_at: datetime
     updated_at: datetime
+    boot: str | None = None  # how it first came to run: "pool", "restore" or "cold"
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SandboxInfo:
@@ -59,7 +60,34 @@ class SandboxInfo:
             worker_id=data.get("worker_id"),
             created_at=_time(data["created_at"]),
             updated_at=_time(data["updated_at"]),
+            boot=data.get("boot"),
         )
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """A template's warm pool: creates of exactly this shape are served from it."""
+
+    size: int
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    ready: int
+    starting: int
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    id: str
+    created_at: datetime
+    pool: PoolInfo
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TemplateInfo:
+        p = data["pool"]
+        pool = PoolInfo(int(p["size"]), int(p["vcpus"]), int(p["memory_mib"]),
+                        int(p["disk_mib"]), int(p["ready"]), int(p["starting"]))  # fmt: skip
+        return cls(id=data["id"], created_at=_time(data["created_at"]), pool=pool)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from space.client._calls import (
 )
 from space.client._errors import NotFoundError, error_from_response, transport_errors
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
-from space.client._models import Event, ExecResult, FileEntry, SandboxInfo
+from space.client._models import Event, ExecResult, FileEntry, SandboxInfo, TemplateInfo
 
 T = TypeVar("T")
 
@@ -62,6 +62,23 @@ class Space:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def templates(self) -> list[TemplateInfo]:
+        """Every template, with the state of its warm pool."""
+        return self._call(calls.templates())
+
+    def set_pool(
+        self,
+        template: str,
+        size: int,
+        *,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+        disk_mib: int | None = None,
+    ) -> TemplateInfo:
+        """Keep `size` sandboxes of this shape restored and ready for `template` (admin keys
+        only); creates of exactly that shape are then served from the pool."""
+        return self._call(calls.set_pool(template, size, vcpus, memory_mib, disk_mib))
 
     def _call(self, call: Call[T], content: bytes | Iterable[bytes] | None = None) -> T:
         with transport_errors(self.base_url):

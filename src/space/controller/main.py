@@ -9,8 +9,11 @@ import os
 from collections.abc import Awaitable
 from functools import partial
 
+from prometheus_client import start_http_server
+
 from space.controller import upkeep
 from space.controller.leader import Leadership
+from space.controller.pools import Pools
 from space.controller.reconciler import Reconciler
 from space.db import migrate
 from space.db.listen import Listener
@@ -24,7 +27,23 @@ def dead_after_s() -> float:
     return float(os.environ.get("SPACE_WORKER_DEAD_AFTER", "5"))
 
 
+def serve_metrics() -> None:
+    """Prometheus metrics at SPACE_CONTROLLER_METRICS (host:port), if it is set.
+
+    A standby controller that finds the port taken runs on without them (the leader's are the
+    ones that move)."""
+    address = os.environ.get("SPACE_CONTROLLER_METRICS", "")
+    if not address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        start_http_server(int(port), host or "127.0.0.1")
+    except (OSError, ValueError) as e:
+        log.warning("no metrics at %s: %s", address, e)
+
+
 async def run(database_url: str, worker_secret: str) -> None:
+    serve_metrics()
     store = Store(connect(database_url))
     await migrate.upgrade(store.engine)
     workers = WorkerClient(worker_secret)
@@ -38,8 +57,10 @@ async def run(database_url: str, worker_secret: str) -> None:
             def health() -> Awaitable[None]:
                 return upkeep.worker_health(store, workers, dead_after_s())
 
+            pools = Pools(store)
             loops = [
-                asyncio.ensure_future(Reconciler(store, workers, listener).run()),
+                asyncio.ensure_future(Reconciler(store, workers, listener, pools).run()),
+                asyncio.ensure_future(pools.run(listener)),
                 asyncio.ensure_future(
                     upkeep.every(1.0, "timeouts", partial(upkeep.timeouts, store))
                 ),

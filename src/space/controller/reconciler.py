@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 from space.controller.placement import pick_worker
+from space.controller.pools import Pools
 from space.db.listen import Listener
 from space.db.store import Row, Store
 from space.worker.client import WorkerClient, WorkerError
@@ -38,10 +39,13 @@ FROM = {
 
 
 class Reconciler:
-    def __init__(self, store: Store, workers: WorkerClient, listener: Listener) -> None:
+    def __init__(
+        self, store: Store, workers: WorkerClient, listener: Listener, pools: Pools
+    ) -> None:
         self.store = store
         self.workers = workers
         self.listener = listener
+        self.pools = pools
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._placement = asyncio.Lock()
 
@@ -111,7 +115,14 @@ class Reconciler:
             workers = await self.store.workers()
             load = await self.store.worker_load()
             worker_id = pick_worker(workers, load, row["vcpus"], row["memory_mib"])
+            if worker_id is None and row["pool"]:
+                # A pool never waits for room: it only fills what real sandboxes leave free.
+                await self.store.drop_pool_members([row["id"]], "no worker has room")
+                return False
             if worker_id is None:
+                # Warm-pool members give their room to a sandbox somebody asked for.
+                if await self.pools.evict_for(row):
+                    return False
                 reason = "waiting for a worker with room"
                 if row["reason"] != reason:
                     await self.store.transition(row["id"], ["pending"], "pending", reason=reason)
@@ -134,13 +145,19 @@ class Reconciler:
             "hostname": row["id"],
         }
         try:
-            await self.workers.call("PUT", url, json=body)
+            made = await self.workers.call("PUT", url, json=body)
         except WorkerError as e:
             if e.status == 0:
                 raise
             await self.store.transition(row["id"], ["starting"], "error", reason=e.detail)
             return False
-        return await self.store.transition(row["id"], ["starting"], "running") is not None
+        values: dict[str, Any] = {"boot": made.get("boot")}
+        if row["pool"]:
+            values["expires_at"] = None  # a pool member's timeout starts at its claim
+        done = await self.store.transition(row["id"], ["starting"], "running", **values)
+        if done is not None and row["pool"]:
+            self.pools.refilled(done)
+        return done is not None
 
     async def _finish(self, row: Row, state: str) -> bool:
         desired = row["desired_state"]

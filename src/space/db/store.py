@@ -11,7 +11,7 @@ import base64
 import hashlib
 import hmac
 import secrets
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,6 +23,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from space.db import tables as t
 
 CHANNEL = "space_sandbox"
+POOL_TENANT = "tn-pool"  # owns warm-pool members until a create claims one (migration 0002)
+POOL_NAME = "(warm pool)"
+CLAIM_TRIES = 3
 TRANSITIONAL = ("pending", "starting", "pausing", "resuming", "suspending", "deleting")
 KEY_PREFIX = "sk_space_"
 
@@ -41,10 +44,15 @@ class Conflict(Exception):
         self.state = state
 
 
+class PoolMemberBroken(Exception):
+    """A warm-pool member could not be handed over; it is dropped from the pool."""
+
+
 @dataclass(frozen=True)
 class Tenant:
     id: str
     name: str
+    admin: bool = False  # the key used is an admin key
 
 
 def new_id(prefix: str) -> str:
@@ -69,6 +77,8 @@ class Store:
     # --- tenants and keys ----------------------------------------------------------------------
 
     async def create_tenant(self, name: str) -> Tenant:
+        if name == POOL_NAME:
+            raise ValueError(f"{name!r} is reserved for the warm pools")
         async with self.engine.begin() as c:
             existing = (
                 await c.execute(sa.select(t.tenants).where(t.tenants.c.name == name))
@@ -79,15 +89,21 @@ class Store:
             await c.execute(t.tenants.insert().values(id=tid, name=name))
             return Tenant(tid, name)
 
-    async def create_api_key(self, tenant_id: str, name: str = "") -> str:
+    async def create_api_key(self, tenant_id: str, name: str = "", admin: bool = False) -> str:
         """A new key; only its hash is stored, so this is the one time it can be seen."""
+        if tenant_id == POOL_TENANT:
+            raise ValueError("the warm pools' tenant has no keys")
         key_id = secrets.token_hex(6)
         secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
         key = f"{KEY_PREFIX}{key_id}_{secret}"
         async with self.engine.begin() as c:
             await c.execute(
                 t.api_keys.insert().values(
-                    id=key_id, tenant_id=tenant_id, secret_sha256=_sha256(key), name=name
+                    id=key_id,
+                    tenant_id=tenant_id,
+                    secret_sha256=_sha256(key),
+                    name=name,
+                    admin=admin,
                 )
             )
         return key
@@ -108,14 +124,19 @@ class Store:
         async with self.engine.connect() as c:
             row = (
                 await c.execute(
-                    sa.select(t.api_keys.c.secret_sha256, t.tenants.c.id, t.tenants.c.name)
+                    sa.select(
+                        t.api_keys.c.secret_sha256,
+                        t.api_keys.c.admin,
+                        t.tenants.c.id,
+                        t.tenants.c.name,
+                    )
                     .join(t.tenants, t.tenants.c.id == t.api_keys.c.tenant_id)
                     .where(t.api_keys.c.id == key_id, t.api_keys.c.revoked_at.is_(None))
                 )
             ).first()
         if row is None or not hmac.compare_digest(bytes(row.secret_sha256), _sha256(key)):
             return None
-        return Tenant(row.id, row.name)
+        return Tenant(row.id, row.name, bool(row.admin))
 
     # --- templates -----------------------------------------------------------------------------
 
@@ -127,6 +148,201 @@ class Store:
         async with self.engine.connect() as c:
             q = sa.select(t.templates.c.id).where(t.templates.c.id == template_id)
             return (await c.execute(q)).first() is not None
+
+    async def templates(self, template_id: str | None = None) -> list[Row]:
+        """Templates with how many pool members each has ready and on the way."""
+        s = t.sandboxes.c
+        members = (
+            sa.select(
+                s.template,
+                sa.func.count().filter(s.state == "running").label("pool_ready"),
+                sa.func.count().filter(s.state != "running").label("pool_starting"),
+            )
+            .where(s.pool, s.desired_state == "running", s.state.not_in(("error", "deleted")))
+            .group_by(s.template)
+            .subquery()
+        )
+        q = (
+            sa.select(
+                t.templates,
+                sa.func.coalesce(members.c.pool_ready, 0).label("pool_ready"),
+                sa.func.coalesce(members.c.pool_starting, 0).label("pool_starting"),
+            )
+            .outerjoin(members, members.c.template == t.templates.c.id)
+            .order_by(t.templates.c.id)
+        )
+        if template_id is not None:
+            q = q.where(t.templates.c.id == template_id)
+        async with self.engine.connect() as c:
+            return list((await c.execute(q)).mappings())
+
+    async def set_pool(
+        self, template_id: str, size: int, vcpus: int, memory_mib: int, disk_mib: int
+    ) -> None:
+        """Size and shape of a template's warm pool; members of another shape are let go."""
+        async with self.engine.begin() as c:
+            res = await c.execute(
+                t.templates.update()
+                .where(t.templates.c.id == template_id)
+                .values(
+                    pool_size=size,
+                    pool_vcpus=vcpus,
+                    pool_memory_mib=memory_mib,
+                    pool_disk_mib=disk_mib,
+                )
+            )
+            if res.rowcount != 1:
+                raise NotFound(template_id)
+            s = t.sandboxes.c
+            await self._drop_members(
+                c,
+                [
+                    s.template == template_id,
+                    sa.tuple_(s.vcpus, s.memory_mib, s.disk_mib)
+                    != sa.tuple_(vcpus, memory_mib, disk_mib),
+                ],
+                "the pool changed shape",
+            )
+
+    # --- warm pools ----------------------------------------------------------------------------
+
+    async def pool_members(self, dropping: bool = False) -> list[Row]:
+        """Pool members not deleted yet, oldest first: those that stay, or (`dropping`) those
+        being deleted."""
+        s = t.sandboxes.c
+        wanted = s.desired_state == "deleted" if dropping else s.desired_state != "deleted"
+        q = (
+            sa.select(t.sandboxes)
+            .where(s.pool, s.state != "deleted", wanted)
+            .order_by(s.created_at)
+        )
+        async with self.engine.connect() as c:
+            return list((await c.execute(q)).mappings())
+
+    async def add_pool_member(self, template: Row) -> Row:
+        """A new pool member of the template's pool shape; the reconciler starts it."""
+        values = {
+            "id": new_id("sb"),
+            "tenant_id": POOL_TENANT,
+            "template": template["id"],
+            "vcpus": template["pool_vcpus"],
+            "memory_mib": template["pool_memory_mib"],
+            "disk_mib": template["pool_disk_mib"],
+            "timeout_s": 300,
+            "timeout_action": "delete",
+            "state": "pending",
+            "desired_state": "running",
+            "pool": True,
+        }
+        async with self.engine.begin() as c:
+            row = (
+                (await c.execute(t.sandboxes.insert().values(**values).returning(*t.sandboxes.c)))
+                .mappings()
+                .one()
+            )
+            await self._event(c, row, "created", None, "pending", "warm pool")
+            await _notify(c, row["id"])
+            return row
+
+    async def drop_pool_members(self, ids: Sequence[str], reason: str) -> int:
+        """Ask for these pool members to be deleted (those still unclaimed)."""
+        async with self.engine.begin() as c:
+            return await self._drop_members(c, [t.sandboxes.c.id.in_(ids)], reason)
+
+    async def _drop_members(self, c: AsyncConnection, where: list[Any], reason: str) -> int:
+        s = t.sandboxes.c
+        rows = (
+            await c.execute(
+                t.sandboxes.update()
+                .where(s.pool, s.desired_state != "deleted", *where)
+                .values(desired_state="deleted", reason=reason, updated_at=sa.func.now())
+                .returning(*t.sandboxes.c)
+            )
+        ).mappings()
+        n = 0
+        for row in rows:
+            await self._event(c, row, "requested", row["state"], "deleted", reason)
+            await _notify(c, row["id"])
+            n += 1
+        return n
+
+    async def claim_pooled(
+        self,
+        tenant_id: str,
+        values: dict[str, Any],
+        personalise: Callable[[Row, str], Awaitable[None]],
+    ) -> Row | None:
+        """Hand a ready pool member of this shape to the tenant; None if there is none.
+
+        The member's row stays locked while `personalise(member, worker_url)` gives its VM the
+        tenant's environment, so no two creates ever get the same member; one that fails that
+        is dropped from the pool and the next is tried."""
+        for _ in range(CLAIM_TRIES):
+            member_id = ""
+            try:
+                async with self.engine.begin() as c:
+                    member = await self._lock_member(c, values)
+                    if member is None:
+                        return None
+                    member_id = member["id"]
+                    # The tenant's row first: a repeated idempotency key fails here, before
+                    # the VM is touched. A failed personalise rolls all of it back.
+                    row = await self._hand_over(c, member_id, tenant_id, values)
+                    await personalise(member, member["worker_url"])
+                    await self._event(c, row, "created", None, "running", "from the warm pool")
+                    await _notify(c, member_id)
+                    return row
+            except PoolMemberBroken as e:
+                await self.drop_pool_members([member_id], f"claim failed: {e}")
+        return None
+
+    @staticmethod
+    async def _lock_member(c: AsyncConnection, values: dict[str, Any]) -> Row | None:
+        """The oldest ready member of this shape that no other claim holds, locked."""
+        s, w = t.sandboxes.c, t.workers.c
+        q = (
+            sa.select(t.sandboxes, w.url.label("worker_url"))
+            .join(t.workers, w.id == s.worker_id)
+            .where(
+                s.pool,
+                s.state == "running",
+                s.desired_state == "running",
+                s.template == values["template"],
+                s.vcpus == values["vcpus"],
+                s.memory_mib == values["memory_mib"],
+                s.disk_mib == values["disk_mib"],
+                w.state == "active",
+            )
+            .order_by(s.created_at)
+            .limit(1)
+            .with_for_update(of=t.sandboxes, skip_locked=True)
+        )
+        return (await c.execute(q)).mappings().first()
+
+    @staticmethod
+    async def _hand_over(
+        c: AsyncConnection, member_id: str, tenant_id: str, values: dict[str, Any]
+    ) -> Row:
+        q = (
+            t.sandboxes.update()
+            .where(t.sandboxes.c.id == member_id)
+            .values(
+                tenant_id=tenant_id,
+                pool=False,
+                boot="pool",
+                reason=None,
+                env=values["env"],
+                metadata=values["metadata"],
+                timeout_s=values["timeout_s"],
+                timeout_action=values["timeout_action"],
+                idempotency_key=values.get("idempotency_key"),
+                expires_at=sa.func.now() + timedelta(seconds=values["timeout_s"]),
+                created_at=sa.func.now(),
+                updated_at=sa.func.now(),
+            )
+            .returning(*t.sandboxes.c)
+        )
+        return (await c.execute(q)).mappings().one()
 
     # --- workers -------------------------------------------------------------------------------
 
@@ -149,13 +365,17 @@ class Store:
                 .on_conflict_do_update(index_elements=[t.workers.c.id], set_=values)
             )
 
-    async def heartbeat(self, worker_id: str, instance: str) -> bool:
+    async def heartbeat(
+        self, worker_id: str, instance: str, mem_available_mib: int | None = None
+    ) -> bool:
         """False if another process registered as this worker since (this one must stop)."""
         async with self.engine.begin() as c:
             res = await c.execute(
                 t.workers.update()
                 .where(t.workers.c.id == worker_id, t.workers.c.instance == instance)
-                .values(heartbeat_at=sa.func.now(), state="active")
+                .values(
+                    heartbeat_at=sa.func.now(), state="active", mem_available_mib=mem_available_mib
+                )
             )
             return res.rowcount == 1
 
@@ -231,6 +451,12 @@ class Store:
             if existing is None or existing["tenant_id"] != tenant_id:
                 raise Conflict(values["id"], "taken", "use this id")
             return existing, False
+
+    async def by_idempotency_key(self, tenant_id: str, key: str) -> Row | None:
+        s = t.sandboxes.c
+        q = sa.select(t.sandboxes).where(s.tenant_id == tenant_id, s.idempotency_key == key)
+        async with self.engine.connect() as c:
+            return (await c.execute(q)).mappings().first()
 
     async def get_sandbox(self, sandbox_id: str, tenant_id: str | None = None) -> Row:
         q = sa.select(t.sandboxes).where(t.sandboxes.c.id == sandbox_id)
@@ -399,6 +625,7 @@ class Store:
             s.expires_at < sa.func.now(),
             s.state == "running",
             s.desired_state == "running",
+            sa.not_(s.pool),
         )
         async with self.engine.connect() as c:
             return list((await c.execute(q)).mappings())

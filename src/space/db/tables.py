@@ -26,6 +26,8 @@ api_keys = sa.Table(
     sa.Column("name", sa.Text, nullable=False, server_default=""),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("revoked_at", sa.DateTime(timezone=True)),
+    # Admin keys also manage what every tenant shares: templates and their warm pools.
+    sa.Column("admin", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
 templates = sa.Table(
@@ -33,6 +35,11 @@ templates = sa.Table(
     metadata,
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    # The warm pool: this many sandboxes of this shape kept restored and ready to be claimed.
+    sa.Column("pool_size", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("pool_vcpus", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("pool_memory_mib", sa.Integer, nullable=False, server_default="256"),
+    sa.Column("pool_disk_mib", sa.Integer, nullable=False, server_default="1024"),
 )
 
 workers = sa.Table(
@@ -45,6 +52,7 @@ workers = sa.Table(
     sa.Column("capacity_vcpus", sa.Integer, nullable=False),
     sa.Column("capacity_memory_mib", sa.Integer, nullable=False),
     sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("mem_available_mib", sa.Integer),  # the host's MemAvailable at the last heartbeat
     sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )
 
@@ -68,6 +76,9 @@ sandboxes = sa.Table(
     sa.Column("env", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("metadata", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("idempotency_key", sa.Text),
+    # A warm-pool member: owned by POOL_TENANT until a create claims it.
+    sa.Column("pool", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("boot", sa.Text),  # how it came to run first: pool, restore or cold
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Index(
@@ -76,6 +87,15 @@ sandboxes = sa.Table(
     sa.Index("sandboxes_state", "state"),
     sa.Index("sandboxes_worker", "worker_id"),
     sa.Index("sandboxes_metadata", "metadata", postgresql_using="gin"),
+    sa.Index(
+        "sandboxes_pool",
+        "template",
+        "vcpus",
+        "memory_mib",
+        "disk_mib",
+        "created_at",
+        postgresql_where=sa.text("pool"),
+    ),
     sa.Index(
         "sandboxes_idempotency",
         "tenant_id",

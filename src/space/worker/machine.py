@@ -111,19 +111,12 @@ class Machine:
             raise
         t2 = time.perf_counter()
         agent = await _connect_agent(vm, config.agent_token, boot_timeout)
+        machine = cls(vm, agent, {"disk": t1 - t0, "vmm": t2 - t1})
         # The boot token sits in /proc/cmdline for every guest process to read; replace it
         # before any of them runs.
-        try:
-            token = new_token()
-            await agent.call("identity", token=token)
-        except BaseException:
-            await agent.close()
-            await _discard(vm)
-            raise
-        vm.config = vm.config.with_changes(agent_token=token)
-        vm.save()
-        t3 = time.perf_counter()
-        return cls(vm, agent, {"disk": t1 - t0, "vmm": t2 - t1, "agent": t3 - t2})
+        await machine._first_identity(None)
+        machine.timings["agent"] = time.perf_counter() - t2
+        return machine
 
     @classmethod
     async def restore(
@@ -158,17 +151,30 @@ class Machine:
         # The snapshot's token opens the first connection; a fresh one replaces it at once, so
         # no two restores of one snapshot share a token, a hostname or an RNG state.
         agent = await _connect_agent(vm, snapshot.config.agent_token, timeout)
+        machine = cls(vm, agent, {"disk": t1 - t0, "vmm": t2 - t1})
+        await machine._first_identity(hostname or f"sb-{vm_id}")
+        machine.timings["agent"] = time.perf_counter() - t2
+        return machine
+
+    async def _first_identity(self, hostname: str | None) -> None:
         try:
-            token = new_token()
-            await agent.refresh_identity(hostname=hostname or f"sb-{vm_id}", token=token)
+            await self.renew_identity(hostname)
         except BaseException:
-            await agent.close()
-            await _discard(vm)
+            await self.close()
             raise
-        vm.config = vm.config.with_changes(agent_token=token, hostname=hostname or f"sb-{vm_id}")
-        vm.save()
-        t3 = time.perf_counter()
-        return cls(vm, agent, {"disk": t1 - t0, "vmm": t2 - t1, "agent": t3 - t2})
+
+    async def renew_identity(self, hostname: str | None = None) -> None:
+        """Our clock, a reseeded RNG and a new agent token (and hostname) for the guest.
+
+        After a boot the old token was on the kernel command line; after a restore it is the
+        snapshot's, shared by every clone; a warm-pool VM gets one more at its claim."""
+        token = new_token()
+        await self.agent.refresh_identity(hostname=hostname, token=token)
+        changes: dict[str, str] = {"agent_token": token}
+        if hostname is not None:
+            changes["hostname"] = hostname
+        self.vm.config = self.vm.config.with_changes(**changes)
+        self.vm.save()
 
     async def reconnect(self, timeout: float = 30.0) -> None:
         """A new agent connection (after the old one was lost, e.g. across a snapshot)."""

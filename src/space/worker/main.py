@@ -12,7 +12,7 @@ from space.db import migrate
 from space.db.store import Store, connect
 from space.worker.local import local_runtime
 from space.worker.service import serve
-from space.worker.vms import VMManager
+from space.worker.vms import VMManager, meminfo_mib
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ async def _heartbeat(store: Store, worker_id: str, instance: str) -> None:
     while True:
         await asyncio.sleep(HEARTBEAT_S)
         try:
-            if not await store.heartbeat(worker_id, instance):
+            if not await store.heartbeat(worker_id, instance, meminfo_mib("MemAvailable")):
                 log.error("another process registered as worker %s; stopping", worker_id)
                 return
         except Exception as e:  # the database may be restarting; keep trying
@@ -40,6 +40,7 @@ async def run(
         worker_id,
         capacity_vcpus=int(os.environ.get("SPACE_WORKER_VCPUS", "0")) or None,
         capacity_memory_mib=int(os.environ.get("SPACE_WORKER_MEMORY_MIB", "0")) or None,
+        base_snapshots=os.environ.get("SPACE_WORKER_BASE_SNAPSHOTS", "1") != "0",
     )
     await manager.start()  # re-adopt before announcing ourselves, so recovery finds the VMs
     store = Store(connect(database_url, pool_size=2))

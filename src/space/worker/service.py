@@ -128,6 +128,10 @@ class CreateBody(Strict):
     disk_mib: int = Field(0, ge=0, le=1 << 20)
 
 
+class ClaimBody(Strict):
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
+
+
 class ExecBody(Strict):
     cmd: str | None = Field(None, min_length=1, pattern=r"^[^\x00]*$")
     argv: list[Annotated[str, Field(pattern=r"^[^\x00]*$")]] | None = Field(None, min_length=1)
@@ -321,6 +325,11 @@ class WorkerAPI:
         return JSONResponse(
             {"id": sb.id, "state": sb.state, "boot": sb.boot, "took_ms": round(sb.took_ms, 3)}
         )
+
+    async def claim(self, request: Request) -> Response:
+        body = await read_body(ClaimBody, request)
+        sb = await self.manager.claim(self._vm_id(request), body.env)
+        return JSONResponse({"id": sb.id, "state": sb.state})
 
     async def pause(self, request: Request) -> Response:
         sb = await self.manager.pause(self._vm_id(request))
@@ -570,6 +579,7 @@ def make_app(manager: VMManager, secret: str) -> Starlette:
         Route("/reconcile", api.reconcile, methods=["POST"]),
         Route(vm, api.create, methods=["PUT"]),
         Route(vm, api.delete, methods=["DELETE"]),
+        Route(f"{vm}/claim", api.claim, methods=["POST"]),
         Route(f"{vm}/pause", api.pause, methods=["POST"]),
         Route(f"{vm}/resume", api.resume, methods=["POST"]),
         Route(f"{vm}/suspend", api.suspend, methods=["POST"]),

@@ -25,7 +25,7 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +158,7 @@ class VMManager:
         capacity_vcpus: int | None = None,
         capacity_memory_mib: int | None = None,
         reconcile_grace_s: float = 30.0,
+        base_snapshots: bool = True,
     ) -> None:
         if not VM_ID.match(worker_id):
             raise ValueError(f"worker id {worker_id!r} must match {VM_ID.pattern}")
@@ -170,6 +171,8 @@ class VMManager:
         self.capacity_memory_mib = capacity_memory_mib or _mem_total_mib() * 3 // 4
         # A VM younger than this survives /reconcile: the caller's keep-list may predate it.
         self.reconcile_grace_s = reconcile_grace_s
+        # Off: every create boots its VM (slow; for hosts or guests where snapshots misbehave).
+        self.base_snapshots = base_snapshots
         self.root = self.pool.root / "workers" / worker_id
         self.vms_dir = self.root / "vms"
         self.suspended_dir = self.root / "suspended"
@@ -335,13 +338,9 @@ class VMManager:
             self._reserve(vm_id, vcpus, memory_mib)
             try:
                 started = time.perf_counter()
-                base, built = await self._base_snapshot(template, vcpus, memory_mib, images)
-                machine = await Machine.restore(
-                    self.driver, self.pool, base, vm_id=vm_id, hostname=spec.hostname,
-                    vms_dir=self.vms_dir,
-                )  # fmt: skip
+                machine, boot = await self._make(vm_id, spec, images)
                 took_ms = (time.perf_counter() - started) * 1000
-                sb = SandboxVM(vm_id, spec, machine, "cold" if built else "restore", took_ms)
+                sb = SandboxVM(vm_id, spec, machine, boot, took_ms)
                 try:
                     if disk_mib:
                         try:
@@ -357,6 +356,30 @@ class VMManager:
             self._vms[vm_id] = sb
             log.info("VM %s created (%s) in %.0f ms", vm_id, sb.boot, sb.took_ms)
             return sb
+
+    async def _make(self, vm_id: str, spec: SandboxSpec, images: BootImages) -> tuple[Machine, str]:
+        """The sandbox's VM and how it was made: restored from the base snapshot of its shape
+        ("restore"; "cold" if that snapshot had to be built first), or booted ("cold")."""
+        if self.base_snapshots:
+            base, built = await self._base_snapshot(
+                spec.template, spec.vcpus, spec.memory_mib, images
+            )
+            try:
+                machine = await Machine.restore(
+                    self.driver, self.pool, base, vm_id=vm_id, hostname=spec.hostname,
+                    vms_dir=self.vms_dir,
+                )  # fmt: skip
+                return machine, "cold" if built else "restore"
+            except (VMMError, AgentError, TimeoutError) as e:
+                # A snapshot that no longer restores (e.g. a QEMU upgrade) must not stop creates:
+                # this one boots, and the next one builds the base again.
+                log.warning("base snapshot %s failed to restore, booting instead: %s", base.path, e)
+                shutil.rmtree(base.path, ignore_errors=True)
+        machine = await Machine.boot(
+            self.driver, self.pool, images, vm_id=vm_id, vcpus=spec.vcpus,
+            memory_mib=spec.memory_mib, hostname=spec.hostname, vms_dir=self.vms_dir,
+        )  # fmt: skip
+        return machine, "cold"
 
     async def _base_snapshot(
         self, template: str, vcpus: int, memory_mib: int, images: BootImages
@@ -386,6 +409,21 @@ class VMManager:
                 raise
             log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
             return SnapshotInfo.load(path), True
+
+    async def claim(self, vm_id: str, env: Mapping[str, str]) -> SandboxVM:
+        """Hand a warm-pool VM to the tenant that claimed it: their environment, and a fresh
+        clock, RNG state and agent token (it may have waited in the pool for a long time)."""
+        async with self._locks.hold(vm_id):
+            sb = self.get(vm_id)
+            machine = _live(sb, "claim")
+            if sb.state != "running":
+                raise WrongState(f"cannot claim VM {vm_id}: it is {sb.state}", sb.state)
+            if not machine.agent.connected:
+                await machine.reconnect(RECONNECT_TIMEOUT_S)
+            await machine.renew_identity()
+            sb.spec = replace(sb.spec, env=dict(env))
+            sb.save(machine.run_dir)
+            return sb
 
     async def pause(self, vm_id: str) -> SandboxVM:
         async with self._locks.hold(vm_id):
@@ -566,8 +604,13 @@ async def _kill_leftover(directory: Path) -> None:
 
 
 def _mem_total_mib() -> int:
+    return meminfo_mib("MemTotal") or 1024
+
+
+def meminfo_mib(name: str) -> int | None:
+    """A /proc/meminfo figure (MemTotal, MemAvailable, …) in MiB."""
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{name}:"):
                 return int(line.split()[1]) // 1024
-    return 1024
+    return None

@@ -1,0 +1,116 @@
+"""The whole platform for a benchmark: embedded PostgreSQL, one worker, controller, API.
+
+Every service is its own `space` process, as in production; the worker can be restarted with
+other settings between phases (e.g. base snapshots off, for cold boots).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from space.db import embedded, migrate
+from space.db.store import Store, connect
+from space.worker.local import local_runtime
+
+SPACE = [sys.executable, "-m", "space.cli.main"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class BenchPlatform:
+    url: str  # the API's
+    database_url: str
+    env: dict[str, str]
+    worker_id: str
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, *argv: str, env: dict[str, str] | None = None) -> None:
+        self.procs[name] = subprocess.Popen(
+            [*SPACE, *argv], env={**self.env, **(env or {})}, stderr=subprocess.DEVNULL
+        )
+
+    def stop(self, name: str) -> None:
+        p = self.procs.pop(name)
+        p.terminate()
+        p.wait()
+
+    def start_worker(self, **env: str) -> None:
+        self.start("worker", "worker", "--id", self.worker_id, "--port", str(free_port()), env=env)
+
+    def client(self, key: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"},
+                            timeout=300)  # fmt: skip
+
+    def wait_worker(self, key: str) -> None:
+        """Until a create succeeds (the worker registered and answers)."""
+        with self.client(key) as c:
+            while True:
+                r = c.post("/v1/sandboxes", json={"memory_mib": 128})
+                if r.status_code in (200, 201) and r.json()["state"] == "running":
+                    c.delete(f"/v1/sandboxes/{r.json()['id']}")
+                    return
+                time.sleep(0.5)
+
+
+@contextmanager
+def platform(
+    setup: Callable[[Store], Awaitable[dict[str, str]]], **worker_env: str
+) -> Iterator[tuple[BenchPlatform, dict[str, str]]]:
+    """A running platform and what `setup(store)` made in its fresh database (e.g. keys)."""
+    tmp = Path(tempfile.mkdtemp(prefix="space-bench-"))
+    db = embedded.start(tmp / "pg")
+
+    async def prepare() -> dict[str, str]:
+        store = Store(connect(db))
+        try:
+            await migrate.upgrade(store.engine)
+            await store.ensure_template("base")
+            return await setup(store)
+        finally:
+            await store.close()
+
+    made = asyncio.run(prepare())
+    port = free_port()
+    env = {**os.environ, "SPACE_DATABASE_URL": db, "SPACE_WORKER_SECRET": secrets.token_hex(16)}
+    p = BenchPlatform(f"http://127.0.0.1:{port}", db, env, f"bench{secrets.token_hex(2)}")
+    try:
+        p.start_worker(**worker_env)
+        p.start("controller", "controller")
+        p.start("api", "api", "--port", str(port))
+        while True:
+            try:
+                if httpx.get(f"{p.url}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield p, made
+    finally:
+        for name in list(p.procs):
+            p.stop(name)
+        embedded.stop(tmp / "pg")
+        shutil.rmtree(tmp, ignore_errors=True)
+        # The bench worker's VMs were left running for a next worker process to adopt: stop
+        # them, and drop its disks and base snapshots.
+        pool = asyncio.run(local_runtime()).pool
+        leftover = pool.root / "workers" / p.worker_id
+        subprocess.run(["pkill", "-9", "-f", f"{leftover}/"], check=False)
+        shutil.rmtree(leftover, ignore_errors=True)
