@@ -174,7 +174,7 @@ async def build_template(
     if disk is not None:
         log(f"source: cached ({source.digest[:19]})")
     else:
-        disk = await _source_stage(source, spec, cache, key, log)
+        disk = await _source_stage(source, spec, env, cache, key, log)
     state = _State(dict(source.config.env), source.config.workdir, source.config.user)
 
     for i, step in enumerate(spec.steps, 1):
@@ -245,14 +245,16 @@ def _apply_metadata(step: Step, state: _State) -> None:
 
 
 async def _source_stage(
-    source: Source, spec: TemplateSpec, cache: _Cache, key: str, log: Log
+    source: Source, spec: TemplateSpec, env: BuildEnv, cache: _Cache, key: str, log: Log
 ) -> Path:
     tmp = cache.new_tmp()
     try:
         image = tmp / ROOTFS_FILE
         size = spec.disk_mib << 20 if spec.disk_mib else None
         if source.image is not None:
-            await asyncio.to_thread(clone_file, source.image, image)
+            # Cloned from the pool's copy of the image: a reflink, not a copy across file systems.
+            pooled = await asyncio.to_thread(env.pool.import_image, source.image, source.image_key)
+            await asyncio.to_thread(clone_file, pooled, image)
             os.chmod(image, 0o644)
             if size:
                 await asyncio.to_thread(rootfs.grow_ext4, image, size, log)
@@ -346,14 +348,7 @@ async def _vm_step(
             )  # fmt: skip
         else:
             raise BuildError(f"step {index}: unknown kind {step.kind!r}")
-        # A clean power-off: the guest syncs, and the disk is whole when QEMU is gone.
-        with contextlib.suppress(AgentError):
-            await m.agent.shutdown()
-        try:
-            await asyncio.wait_for(m.vm.wait(), SHUTDOWN_TIMEOUT)
-        except TimeoutError:
-            log(f"step {index}: the build VM did not power off; stopping it")
-            await m.vm.stop()
+        await _settle_disk(m)
         tmp = cache.new_tmp()
         try:
             await asyncio.to_thread(clone_file, m.disk, tmp / ROOTFS_FILE)
@@ -363,6 +358,22 @@ async def _vm_step(
             raise
     finally:
         await m.close()
+
+
+async def _settle_disk(m: Machine) -> None:
+    """Leave the build disk whole, small and clean, then stop the VM.
+
+    fstrim returns freed blocks to the sparse image (discard reaches the file), and a read-only
+    remount leaves an ext4 that needs no journal replay; both are best effort (the image may
+    lack the tools), `sync` is what matters, and QEMU flushes the disk as it quits.
+    """
+    with contextlib.suppress(AgentError):
+        await m.agent.run(
+            "fstrim / >/dev/null 2>&1; sync; mount -o remount,ro / >/dev/null 2>&1; sync",
+            cwd="/",
+            timeout=300,
+        )
+    await m.vm.stop(timeout=SHUTDOWN_TIMEOUT)
 
 
 async def _run(

@@ -74,8 +74,10 @@ class Source:
     ref: SourceRef
     digest: str
     config: oci.ImageConfig = field(default_factory=oci.ImageConfig)
-    # Either a root directory is written by `unpack`, or the source already is an ext4 image.
+    # Either a root directory is written by `unpack`, or the source already is an ext4 image,
+    # known to the pool by `image_key` (so that its copy there is shared with other users).
     image: Path | None = None
+    image_key: str = ""
     _unpack: Callable[[Path, Log], Any] | None = None
 
     async def unpack(self, root: Path, log: Log) -> None:
@@ -96,7 +98,9 @@ async def resolve_source(
         return await _registry_source(ref, log, credentials, insecure)
     if ref.kind == "debian":
         tpl = await asyncio.to_thread(base_image.ensure_base_template, log)
-        return Source(ref, digest=f"space-base:{tpl.key}", image=tpl.rootfs)
+        # The key under which `space.worker.images.defaults` imports `base` into the pool.
+        key = f"base-{tpl.key}"
+        return Source(ref, digest=f"space-base:{tpl.key}", image=tpl.rootfs, image_key=key)
     path = Path(ref.location)
     if not path.exists():
         raise SpecError(f"source {ref}: {path} does not exist")

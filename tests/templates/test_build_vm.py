@@ -1,0 +1,207 @@
+"""Template builds in real build VMs: an OCI image from the local registry, step caching.
+
+The image is the `base` template's own Debian root (its mmdebstrap tarball, a zstd layer) plus
+a layer with an entrypoint script, pushed to a local docker-registry by the test itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from space.worker.images.base import base_root, ensure_base_template
+from space.worker.local import LocalRuntime, local_runtime
+from space.worker.machine import BootImages, Machine
+from space.worker.templates import BuildEnv, BuildError, build_template, list_templates
+from space.worker.templates.errors import NotBootable
+from space.worker.templates.spec import parse_spec
+from tests.templates.conftest import Registry
+from tests.templates.helpers import LAYER_TYPES, Image, compress, file, tar_bytes
+
+pytestmark = pytest.mark.vm
+
+HELLO = '#!/bin/sh\necho "hello $1 from $GREETING in $(pwd)"\n'
+
+
+def build_vmm_pids() -> set[int]:
+    """QEMU processes of build VMs (their names are space-build-*)."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(b"qemu-system") and b"\0-name\0space-build-" in cmdline:
+                pids.add(int(proc.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+async def runtime() -> LocalRuntime:
+    return await local_runtime()
+
+
+@pytest.fixture(scope="module")
+def build_root(runtime: LocalRuntime) -> Iterator[Path]:
+    # In the pool: build caches and templates are reflinks of each other.
+    root = runtime.pool.root / "test-templates" / uuid.uuid4().hex[:8]
+    root.mkdir(parents=True)
+    yield root
+    shutil.rmtree(root)
+
+
+@pytest.fixture(scope="module")
+def env(runtime: LocalRuntime, build_root: Path) -> BuildEnv:
+    return BuildEnv.from_runtime(runtime, build_root)
+
+
+@pytest.fixture(scope="module")
+def debian_image(registry: Registry) -> str:
+    """`<registry>/space/debian-hello:1`: the base Debian root + an entrypoint, pushed."""
+    base = ensure_base_template()
+    manifest = (base_root() / base.key / "manifest.json").read_text()
+    import json
+
+    tarball = Path(json.loads(manifest)["stage1_tarball"])
+    hello = compress(tar_bytes([file("usr/local/bin/hello", HELLO, mode=0o755)]), "gzip")
+    img = Image(
+        layers=[(tarball.read_bytes(), LAYER_TYPES["zstd"]), (hello, LAYER_TYPES["gzip"])],
+        config={
+            "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "GREETING=oci"],
+            "Entrypoint": ["/usr/local/bin/hello"],
+            "Cmd": ["world"],
+            "WorkingDir": "/srv",
+        },
+    )
+    registry.pusher.push("space/debian-hello", "1", img)
+    return f"{registry.host}/space/debian-hello:1"
+
+
+async def boot(runtime: LocalRuntime, rootfs: Path) -> AsyncIterator[Machine]:
+    images = BootImages(runtime.images.kernel, runtime.images.initrd, rootfs)
+    m = await Machine.boot(runtime.driver, runtime.pool, images)
+    try:
+        yield m
+    finally:
+        await m.close()
+
+
+def spec_text(image: str, last_step: str) -> str:
+    return f"""
+[template]
+name = "hello"
+from = "oci://{image}"
+insecure = true
+start = "sleep infinity"
+ready = "true"
+
+[[steps]]
+run = "echo step-one > /etc/marker"
+
+[[steps]]
+copy = {{ src = "files/", dst = "/opt/files" }}
+
+[[steps]]
+run = "{last_step}"
+"""
+
+
+async def test_oci_template_runs_its_entrypoint_and_steps_are_cached(
+    runtime: LocalRuntime, env: BuildEnv, debian_image: str, tmp_path: Path
+) -> None:
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files/a.txt").write_text("copied\n")
+
+    lines: list[str] = []
+    t = time.monotonic()
+    spec = parse_spec(spec_text(debian_image, "echo v1 >> /etc/marker"), tmp_path)
+    first = await build_template(spec, env, lines.append)
+    cold = time.monotonic() - t
+    assert first.command == ["/usr/local/bin/hello", "world"]
+    assert (first.workdir, first.env["GREETING"], first.start) == ("/srv", "oci", "sleep infinity")
+    assert (first.path / "template.json").is_file() and first.rootfs.stat().st_mode & 0o222 == 0
+    assert not any("cached" in line for line in lines), lines
+
+    async for m in boot(runtime, first.rootfs):
+        r = await m.agent.run(first.command, env=first.env, cwd="/")
+        assert r.stdout.decode() == "hello world from oci in /\n", r
+        assert (await m.agent.read_file("/etc/marker")) == b"step-one\nv1\n"
+        assert (await m.agent.read_file("/opt/files/a.txt")) == b"copied\n"
+
+    # Step 3 changed: the source and steps 1-2 come from the cache.
+    lines.clear()
+    t = time.monotonic()
+    spec = parse_spec(spec_text(debian_image, "echo v2 >> /etc/marker"), tmp_path)
+    second = await build_template(spec, env, lines.append)
+    warm = time.monotonic() - t
+    log = "\n".join(lines)
+    assert "source: cached" in log and "step 1: cached" in log and "step 2: cached" in log, log
+    assert "step 3: cached" not in log, log
+    assert second.digest != first.digest
+    assert warm < cold * 0.6, (warm, cold)
+    async for m in boot(runtime, second.rootfs):
+        assert (await m.agent.read_file("/etc/marker")) == b"step-one\nv2\n"
+
+    # A changed copied file invalidates its step and the ones after it.
+    (tmp_path / "files/a.txt").write_text("changed\n")
+    lines.clear()
+    await build_template(spec, env, lines.append)
+    log = "\n".join(lines)
+    assert "step 1: cached" in log and "step 2: cached" not in log, log
+
+    names = [(r.name, r.digest) for r in list_templates(env.root)]
+    assert ("hello", first.digest) in names and ("hello", second.digest) in names
+
+
+async def test_failed_step_leaves_nothing_behind(env: BuildEnv, debian_image: str) -> None:
+    before = sorted(p.name for p in env.cache.iterdir()) if env.cache.exists() else []
+    spec = parse_spec(
+        f"""
+[template]
+name = "broken"
+from = "oci://{debian_image}"
+insecure = true
+[[steps]]
+run = "echo partial > /partial; echo about to fail; exit 3"
+""",
+        Path("/"),
+    )
+    lines: list[str] = []
+    with pytest.raises(BuildError, match=r"step 1 \(run: .*\) failed with exit code 3"):
+        await build_template(spec, env, lines.append)
+    assert "  | about to fail" in lines
+    after = sorted(p.name for p in env.cache.iterdir())
+    # Only the source stage is new (it is complete and reusable); no temporary directories.
+    assert not [n for n in after if n.startswith(".tmp")]
+    assert len(set(after) - set(before)) <= 1
+    assert not (env.templates / "broken").exists() or not list((env.templates / "broken").iterdir())
+    assert build_vmm_pids() == set()
+    assert not [p for p in env.pool.vms.iterdir() if p.name.startswith("build-")]
+
+
+async def test_image_without_python_is_refused_before_any_vm(
+    env: BuildEnv, registry: Registry
+) -> None:
+    img = Image(
+        layers=[
+            (
+                compress(tar_bytes([file("bin/sh", "not really", mode=0o755)]), "gzip"),
+                LAYER_TYPES["gzip"],
+            )
+        ],
+    )
+    registry.pusher.push("space/no-python", "1", img)
+    spec = parse_spec(
+        f'[template]\nname = "nopy"\nfrom = "oci://{registry.host}/space/no-python:1"\n'
+        'insecure = true\n[[steps]]\nrun = "true"\n',
+        Path("/"),
+    )
+    with pytest.raises(NotBootable, match="python3"):
+        await build_template(spec, env, print)
+    assert not [p for p in env.cache.iterdir() if p.name.startswith(".tmp")]
