@@ -1,7 +1,8 @@
 """Spin-up benchmark: what a create costs from the client's side, by the path it takes.
 
-  - warm-pool hit: the template's pool has a ready member (the bench waits, untimed, for the
-    pool to refill between creates, so each create can be a hit; any miss is counted apart)
+  - warm-pool hit: the template's pool has ready members (the bench waits, untimed, for the
+    pool to be full again between creates, so each create is a hit that no refill competes
+    with; the bursts below show creates and refills together)
   - pool miss: no pool, so the create restores the template's base snapshot
   - cold boot: a worker with base snapshots turned off (SPACE_WORKER_BASE_SNAPSHOTS=0) boots
     every sandbox
@@ -141,7 +142,7 @@ def main() -> None:
 
         set_pool(p, admin, args.pool)
         wait_pool(p, admin, args.pool)
-        runs = {"hit": sequential(p, key, args.creates, lambda: wait_pool(p, admin, 1))}
+        runs = {"hit": sequential(p, key, args.creates, lambda: wait_pool(p, admin, args.pool))}
 
         set_pool(p, admin, 0)
         wait_pool(p, admin, 0)

@@ -143,6 +143,7 @@ class Reconciler:
             "disk_mib": row["disk_mib"],
             "env": row["env"],
             "hostname": row["id"],
+            "warm": row["pool"],
         }
         try:
             made = await self.workers.call("PUT", url, json=body)

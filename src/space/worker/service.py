@@ -126,6 +126,7 @@ class CreateBody(Strict):
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
     hostname: str | None = Field(None, pattern=HOSTNAME)
     disk_mib: int = Field(0, ge=0, le=1 << 20)
+    warm: bool = False
 
 
 class ClaimBody(Strict):
@@ -320,7 +321,7 @@ class WorkerAPI:
         body = await read_body(CreateBody, request)
         sb = await self.manager.create(
             self._vm_id(request), body.template, body.vcpus, body.memory_mib, body.env,
-            body.hostname, body.disk_mib,
+            body.hostname, body.disk_mib, body.warm,
         )  # fmt: skip
         return JSONResponse(
             {"id": sb.id, "state": sb.state, "boot": sb.boot, "took_ms": round(sb.took_ms, 3)}
