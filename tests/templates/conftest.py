@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.templates.helpers import Pusher
+from tests.templates.token_server import TokenService
 
 USER, PASSWORD = "alice", "s3cret-pw"
 
@@ -31,11 +32,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve(tmp: Path, htpasswd: Path | None) -> Iterator[Registry]:
+def _serve(
+    tmp: Path, auth: str = "", pusher_headers: dict[str, str] | None = None, basic: bool = False
+) -> Iterator[Registry]:
     if shutil.which("docker-registry") is None:
         pytest.fail("docker-registry is not installed (make deps)")
     port = _free_port()
-    auth = f"auth:\n  htpasswd:\n    realm: space-test\n    path: {htpasswd}\n" if htpasswd else ""
     config = tmp / "config.yml"
     config.write_text(
         "version: 0.1\n"
@@ -63,7 +65,7 @@ def _serve(tmp: Path, htpasswd: Path | None) -> Iterator[Registry]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"docker-registry did not start: {(tmp / 'registry.log').read_text()}")
             time.sleep(0.05)
-        pusher = Pusher(url, (USER, PASSWORD) if htpasswd else None)
+        pusher = Pusher(url, (USER, PASSWORD) if basic else None, pusher_headers)
         yield Registry(host=f"127.0.0.1:{port}", url=url, pusher=pusher)
         pusher.close()
     finally:
@@ -75,7 +77,7 @@ def _serve(tmp: Path, htpasswd: Path | None) -> Iterator[Registry]:
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     """An open registry."""
-    yield from _serve(tmp_path_factory.mktemp("registry"), None)
+    yield from _serve(tmp_path_factory.mktemp("registry"))
 
 
 @pytest.fixture(scope="session")
@@ -88,4 +90,17 @@ def private_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Regis
         check=True,
         capture_output=True,
     )
-    yield from _serve(tmp, htpasswd)
+    auth = f"auth:\n  htpasswd:\n    realm: space-test\n    path: {htpasswd}\n"
+    yield from _serve(tmp, auth, basic=True)
+
+
+@pytest.fixture(scope="session")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    """A registry with token auth: Bearer tokens from a token service that wants USER/PASSWORD."""
+    tmp = tmp_path_factory.mktemp("token-registry")
+    tokens = TokenService(tmp, USER, PASSWORD)
+    push = {"Authorization": f"Bearer {tokens.token('repository:secret/app:pull,push')}"}
+    try:
+        yield from _serve(tmp, tokens.registry_auth(), push)
+    finally:
+        tokens.close()

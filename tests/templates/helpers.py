@@ -176,9 +176,11 @@ def index_of(manifests: list[tuple[bytes, str, str]]) -> bytes:
 class Pusher:
     """Pushes with the registry API: monolithic blob uploads (POST, then PUT), manifest PUT."""
 
-    def __init__(self, url: str, auth: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self, url: str, auth: tuple[str, str] | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         self.url = url
-        self.http = httpx.Client(auth=auth, timeout=60)
+        self.http = httpx.Client(auth=auth, headers=headers, timeout=60)
 
     def close(self) -> None:
         self.http.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,22 @@ async def test_blob_digest_is_verified(registry: Registry) -> None:
         )
         with pytest.raises(ImageNotFound):
             await client.fetch_blob(wrong)
+
+
+async def test_token_auth_registry(token_registry: Registry, tmp_path: Path) -> None:
+    """Bearer tokens, as Docker Hub and most hosted registries hand them out."""
+    # A layer no other test has: its blob must come through the token-authenticated download.
+    nonce = uuid.uuid4().hex
+    img = image([file("app/main.py", "print('hi')\n"), file("nonce", nonce)])
+    token_registry.pusher.push("secret/app", "v1", img)
+    ref = SourceRef.parse(f"oci://{token_registry.host}/secret/app:v1")
+    with pytest.raises(AuthenticationFailed, match="needs credentials"):
+        await resolve_source(ref, print, insecure=True)
+    with pytest.raises(AuthenticationFailed, match="refused the credentials"):
+        await resolve_source(ref, print, insecure=True, credentials=Credentials(USER, "nope"))
+    src = await resolve_source(ref, print, insecure=True, credentials=Credentials(USER, PASSWORD))
+    root = tmp_path / "root"
+    root.mkdir()
+    await src.unpack(root, print)
+    assert (root / "app/main.py").read_text() == "print('hi')\n"
+    assert (root / "nonce").read_text() == nonce

@@ -318,6 +318,7 @@ async def _vm_step(
     log: Log,
 ) -> Path:
     images = BootImages(kernel=env.kernel, initrd=env.initrd, rootfs=disk)
+    t0 = time.monotonic()
     m = await Machine.boot(
         env.driver,
         env.pool,
@@ -327,6 +328,7 @@ async def _vm_step(
         memory_mib=spec.memory_mib,
         hostname=f"build-{spec.name}"[:63],
     )
+    t1 = time.monotonic()
     try:
         if step.kind == "workdir":
             assert step.value is not None
@@ -348,7 +350,12 @@ async def _vm_step(
             )  # fmt: skip
         else:
             raise BuildError(f"step {index}: unknown kind {step.kind!r}")
+        t2 = time.monotonic()
         await _settle_disk(m)
+        t3 = time.monotonic()
+        log(
+            f"  build VM: boot {t1 - t0:.1f} s, step {t2 - t1:.1f} s, sync and stop {t3 - t2:.1f} s"
+        )
         tmp = cache.new_tmp()
         try:
             await asyncio.to_thread(clone_file, m.disk, tmp / ROOTFS_FILE)

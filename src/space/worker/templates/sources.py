@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from space.worker.images import base as base_image
 from space.worker.templates import oci
-from space.worker.templates.errors import ImageError, SpecError
+from space.worker.templates.errors import ImageError, RegistryError, SpecError
 from space.worker.templates.registry import Credentials, ImageReference, RegistryClient
 
 Log = Callable[[str], None]
@@ -43,7 +43,10 @@ class SourceRef:
     @classmethod
     def parse(cls, text: str, base_dir: Path | None = None) -> SourceRef:
         if text.startswith("oci://"):
-            ImageReference.parse(text)  # fail early on a malformed reference
+            try:
+                ImageReference.parse(text)  # fail early on a malformed reference
+            except RegistryError as e:
+                raise SpecError(f"'from = {text!r}': {e}") from None
             return cls("oci", text)
         kind, sep, location = text.partition(":")
         if not sep or kind not in KINDS or not location:
