@@ -6,6 +6,7 @@ a layer with an entrypoint script, pushed to a local docker-registry by the test
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 import uuid
@@ -17,8 +18,14 @@ import pytest
 from space.worker.images.base import base_root, ensure_base_template
 from space.worker.local import LocalRuntime, local_runtime
 from space.worker.machine import BootImages, Machine
-from space.worker.templates import BuildEnv, BuildError, build_template, list_templates
-from space.worker.templates.errors import NotBootable
+from space.worker.templates import (
+    BuildEnv,
+    BuildError,
+    BuildLog,
+    build_template,
+    list_templates,
+)
+from space.worker.templates.errors import ImageNotFound, NotBootable
 from space.worker.templates.spec import parse_spec
 from tests.templates.conftest import Registry
 from tests.templates.helpers import LAYER_TYPES, Image, compress, file, tar_bytes
@@ -182,7 +189,58 @@ run = "echo partial > /partial; echo about to fail; exit 3"
     assert len(set(after) - set(before)) <= 1
     assert not (env.templates / "broken").exists() or not list((env.templates / "broken").iterdir())
     assert build_vmm_pids() == set()
-    assert not [p for p in env.pool.vms.iterdir() if p.name.startswith("build-")]
+    assert list(env.build_vms.iterdir()) == []
+
+
+async def test_cancelled_build_leaves_nothing_behind(env: BuildEnv, debian_image: str) -> None:
+    spec = parse_spec(
+        f"""
+[template]
+name = "cancelled"
+from = "oci://{debian_image}"
+insecure = true
+[[steps]]
+run = "echo started; sleep 120"
+""",
+        Path("/"),
+    )
+    log = BuildLog()
+    task = asyncio.ensure_future(build_template(spec, env, log))
+    async for line in log.follow():
+        if line == "  | started":
+            break
+    assert build_vmm_pids(), "the build VM should be running now"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert build_vmm_pids() == set()
+    assert list(env.build_vms.iterdir()) == []
+    assert not [p for p in env.cache.iterdir() if p.name.startswith(".tmp")]
+    assert not (env.templates / "cancelled").exists()
+
+
+async def test_vms_of_dead_builds_are_reaped(
+    runtime: LocalRuntime, env: BuildEnv, registry: Registry
+) -> None:
+    """A builder killed mid-step leaves its VM running; the next build stops and removes it."""
+    dead_pid = 4_000_000  # above any pid this host hands out (pid_max is 4194304 at most)
+    images = BootImages(runtime.images.kernel, runtime.images.initrd, runtime.images.rootfs)
+    env.build_vms.mkdir(parents=True, exist_ok=True)
+    m = await Machine.boot(
+        runtime.driver, runtime.pool, images, vm_id=f"build-{dead_pid}-orphan",
+        vms_dir=env.build_vms,
+    )  # fmt: skip
+    await m.detach()
+    assert build_vmm_pids()
+    spec = parse_spec(f'[template]\nname = "x"\nfrom = "oci://{registry.host}/space/none:1"\n'
+                      "insecure = true\n", Path("/"))  # fmt: skip
+    with pytest.raises(ImageNotFound):
+        await build_template(spec, env, print)
+    deadline = time.monotonic() + 10
+    while build_vmm_pids() and time.monotonic() < deadline:  # noqa: ASYNC110 - SIGKILL takes a moment
+        await asyncio.sleep(0.1)
+    assert build_vmm_pids() == set()
+    assert list(env.build_vms.iterdir()) == []
 
 
 async def test_image_without_python_is_refused_before_any_vm(

@@ -7,6 +7,7 @@ everything before it. See `builder.build_template` for the entry point, `spec` f
 """
 
 from space.worker.templates.builder import BuildEnv, build_template, list_templates
+from space.worker.templates.buildlog import BuildLog
 from space.worker.templates.errors import (
     AuthenticationFailed,
     BuildError,
@@ -23,6 +24,7 @@ __all__ = [
     "AuthenticationFailed",
     "BuildEnv",
     "BuildError",
+    "BuildLog",
     "ImageNotFound",
     "RegistryError",
     "SpecError",

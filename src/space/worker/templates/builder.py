@@ -24,6 +24,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import tarfile
 import tempfile
 import threading
@@ -51,6 +52,9 @@ Log = Callable[[str], None]
 RECIPE = 1
 CACHE_DIR = "template-cache"
 TEMPLATES_DIR = "templates"
+BUILD_VMS_DIR = "build-vms"
+# Temporary directories older than this belong to builds that died (live ones last seconds).
+STALE_TMP_S = 3600.0
 SHUTDOWN_TIMEOUT = 30.0
 
 # Runs in the build VM on the template's python3: unpacks the tar of a copy step from stdin.
@@ -90,6 +94,11 @@ class BuildEnv:
     @property
     def cache(self) -> Path:
         return self.root / CACHE_DIR
+
+    @property
+    def build_vms(self) -> Path:
+        """Run directories of build VMs: apart from sandboxes, so no worker ever adopts them."""
+        return self.root / BUILD_VMS_DIR
 
 
 @dataclass
@@ -165,6 +174,7 @@ async def build_template(
     started = time.monotonic()
     log = _thread_safe(log)
     cache = _Cache(env.cache)
+    await asyncio.to_thread(_clean_up_after_dead_builds, env)
     log(f"template {spec.name}: from {spec.source}")
     source = await resolve_source(
         spec.source, log, credentials=spec.credentials(environ), insecure=spec.insecure
@@ -237,6 +247,39 @@ async def build_template(
     return record
 
 
+def _clean_up_after_dead_builds(env: BuildEnv) -> None:
+    """Remove what builds that died (killed, host crash) left: VMs, temporary directories."""
+    env.build_vms.mkdir(parents=True, exist_ok=True)
+    for run_dir in env.build_vms.iterdir():
+        owner = run_dir.name.split("-")[1] if run_dir.name.count("-") >= 2 else ""
+        if owner.isdigit() and Path(f"/proc/{owner}").exists():
+            continue  # its build is still running
+        for pid in _vmm_pids(run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    now = time.time()
+    for parent in (env.cache, *env.templates.glob("*")):
+        for tmp in parent.glob(".tmp-*"):
+            with contextlib.suppress(OSError):
+                if now - tmp.stat().st_mtime > STALE_TMP_S:
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _vmm_pids(run_dir: Path) -> list[int]:
+    pids = []
+    needle = f"{run_dir}/".encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(b"qemu-system") and needle in cmdline:
+                pids.append(int(proc.name))
+    return pids
+
+
 def _apply_metadata(step: Step, state: _State) -> None:
     if step.kind == "env":
         state.env.update(step.env)
@@ -265,6 +308,9 @@ async def _source_stage(
             await source.unpack(root, log)
             log(f"unpacked in {time.monotonic() - t:.1f} s")
             await asyncio.to_thread(rootfs.check_bootable, root)
+            if source.config.workdir:
+                # The image's working directory exists in every sandbox, as runtimes make it.
+                await asyncio.to_thread(rootfs.ensure_dir, root, source.config.workdir)
             await asyncio.to_thread(rootfs.make_ext4, root, image, log, size_bytes=size)
             await asyncio.to_thread(shutil.rmtree, root)
         return cache.publish(tmp, key, f"source {source.ref}")
@@ -323,7 +369,8 @@ async def _vm_step(
         env.driver,
         env.pool,
         images,
-        vm_id=f"build-{uuid.uuid4().hex[:8]}",
+        vm_id=f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        vms_dir=env.build_vms,
         vcpus=spec.vcpus,
         memory_mib=spec.memory_mib,
         hostname=f"build-{spec.name}"[:63],

@@ -41,6 +41,12 @@ def check_bootable(root: Path) -> None:
         )
 
 
+def ensure_dir(root: Path, path: str) -> None:
+    """Make the directory `path` of the image (links resolved inside the root)."""
+    rd = RootDir(root)
+    rd.ensure_dir(rd.resolve([p for p in path.split("/") if p]))
+
+
 def tree_usage(root: Path) -> tuple[int, int]:
     """(bytes allocated, number of inodes) of a directory tree; hard links counted once."""
     seen: set[tuple[int, int]] = set()
