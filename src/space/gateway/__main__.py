@@ -1,0 +1,3 @@
+from space.gateway.main import main
+
+main()

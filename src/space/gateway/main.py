@@ -1,0 +1,75 @@
+"""`python -m space.gateway`: the gateway process (run one per worker, as root)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from space.gateway.control import make_app
+from space.gateway.server import Gateway, GatewayConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="space-gateway", description=__doc__)
+    p.add_argument("--state-dir", type=Path, default=Path("/var/lib/space/gateway"))
+    p.add_argument("--control-socket", type=Path, default=Path("/run/space/gateway.sock"))
+    p.add_argument("--upstream-dns", required=True, help="resolver the gateway asks, HOST[:PORT]")
+    p.add_argument("--upstream-ca", type=Path, default=None, help="CA bundle for upstream TLS")
+    p.add_argument("--listen", default="0.0.0.0")
+    p.add_argument("--proxy-port", type=int, default=15001)
+    p.add_argument("--dns-port", type=int, default=15053)
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> None:
+    host, _, port = args.upstream_dns.partition(":")
+    gateway = Gateway(
+        GatewayConfig(
+            state_dir=args.state_dir,
+            upstream_dns=host,
+            upstream_dns_port=int(port or 53),
+            listen_host=args.listen,
+            proxy_port=args.proxy_port,
+            dns_port=args.dns_port,
+            upstream_ca_file=args.upstream_ca,
+        )
+    )
+    await gateway.start()
+    args.control_socket.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        args.control_socket.unlink()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            make_app(gateway), uds=str(args.control_socket), log_level="warning", lifespan="off"
+        )
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = asyncio.create_task(server.serve())
+    os.chmod(args.control_socket, 0o600) if args.control_socket.exists() else None
+    await stop.wait()
+    server.should_exit = True
+    await serving
+    await gateway.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        asyncio.run(run(args))
+    except OSError as e:
+        print(f"space-gateway: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

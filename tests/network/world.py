@@ -1,0 +1,282 @@
+"""A small world of real namespaces for the gateway tests and the benchmark.
+
+    internet (netns spt-inet): DNS 203.0.113.53, origins 203.0.113.10-12 (HTTP, HTTPS with a test
+        CA), a "private" origin 10.66.0.10 and TCP/UDP echo services; routed from the host.
+    gateway: `python -m space.gateway` as a real process in the host namespace.
+    sandboxes: NetworkManager networks; the guest side of each is a veth whose peer `eth0` sits in
+        a "guest" namespace configured exactly as a VM's eth0 is (address, MAC, routes). A tap
+        needs a VM or a userspace program on its other end; the veth gives the same L2 link.
+
+Everything is named with the `spt` prefix and removed by `stop()`, and by `start()` if a
+crashed run left it behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from space.gateway import GatewayClient, Policy
+from space.gateway.tls import make_ca
+from space.worker.network import NetworkConfig, NetworkManager, SandboxNetwork
+from space.worker.network import netns as nsutil
+
+HERE = Path(__file__).parent
+INET_NS = "spt-inet"
+INET_LINK = "sptinet0"
+HOST_IP = "203.0.113.1"
+DNS_IP = "203.0.113.53"
+ORIGINS = {"allowed.test": "203.0.113.10", "secret.test": "203.0.113.11",
+           "inspect.test": "203.0.113.12", "other.test": "203.0.113.13",
+           "evil.test": "203.0.113.14"}  # fmt: skip
+PRIVATE_ORIGIN = "10.66.0.10"
+ZONE = {**ORIGINS, "rebind.test": PRIVATE_ORIGIN, "rebind-local.test": "127.0.0.1",
+        "metadata.test": "169.254.169.254"}  # fmt: skip
+NET_CONFIG = NetworkConfig(
+    host_range="10.201.0.0/16",
+    link_prefix="spt-",
+    netns_prefix="spt-sb-",
+    table="space_test",
+    proxy_port=25001,
+    dns_port=25053,
+)
+BEARER = "real-bearer-" + secrets.token_hex(8)
+HEADER_SECRET = "real-header-" + secrets.token_hex(8)
+
+
+def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {proc.stderr.strip()}")
+    return proc
+
+
+def _origin_cert(directory: Path) -> tuple[Path, Path, Path]:
+    """A test CA and one leaf for every origin name (the origins' "public" PKI)."""
+    ca_cert, ca_key = directory / "origin-ca.pem", directory / "origin-ca.key"
+    make_ca(ca_cert, ca_key, "SPACE test origins CA")
+    ca = x509.load_pem_x509_certificate(ca_cert.read_bytes())
+    signer = serialization.load_pem_private_key(ca_key.read_bytes(), None)
+    assert isinstance(signer, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "origins")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in ZONE]), critical=False)
+        .sign(signer, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "origin.pem", directory / "origin.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return ca_cert, cert_path, key_path
+
+
+@dataclass
+class Guest:
+    name: str  # the sandbox id
+    netns: str  # the "guest" namespace, where attacks run
+    net: SandboxNetwork
+
+
+@dataclass
+class World:
+    directory: Path
+    manager: NetworkManager = field(default_factory=lambda: NetworkManager(NET_CONFIG))
+    guests: dict[str, Guest] = field(default_factory=dict)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    origin_ca: Path | None = None
+
+    @property
+    def control_socket(self) -> Path:
+        return self.directory / "gateway.sock"
+
+    @property
+    def internet_log(self) -> Path:
+        return self.directory / "internet.jsonl"
+
+    @property
+    def gateway_ca(self) -> Path:
+        return self.directory / "gateway" / "ca" / "ca.pem"
+
+    def client(self) -> GatewayClient:
+        return GatewayClient(self.control_socket)
+
+    async def start(self) -> None:
+        cleanup()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        await self.manager.start()
+        self._internet()
+        self._gateway()
+
+    def _internet(self) -> None:
+        nsutil.create(INET_NS, lambda: None)
+        sh("ip", "link", "add", INET_LINK, "type", "veth", "peer", "name", "eth0",
+           "netns", INET_NS)  # fmt: skip
+        sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", INET_LINK)
+        sh("ip", "link", "set", INET_LINK, "up")
+        sh("ip", "route", "add", "10.66.0.0/24", "via", "203.0.113.2")
+        n = ["ip", "-n", INET_NS]
+        sh(*n, "addr", "add", "203.0.113.2/24", "dev", "eth0")
+        for address in [DNS_IP, *ORIGINS.values()]:
+            sh(*n, "addr", "add", f"{address}/24", "dev", "eth0")
+        sh(*n, "addr", "add", f"{PRIVATE_ORIGIN}/32", "dev", "lo")
+        sh(*n, "link", "set", "eth0", "up")
+        sh(*n, "link", "set", "lo", "up")
+        sh(*n, "route", "add", "default", "via", HOST_IP)
+        self.origin_ca, cert, key = _origin_cert(self.directory)
+        ready = self.directory / "internet.ready"
+        config = {"zone": ZONE, "secrets": {"bearer": BEARER, "header": HEADER_SECRET},
+                  "log": str(self.internet_log), "cert": str(cert), "key": str(key),
+                  "dns_ip": DNS_IP, "ready": str(ready)}  # fmt: skip
+        (self.directory / "internet.json").write_text(json.dumps(config))
+        self._spawn(
+            ["ip", "netns", "exec", INET_NS, sys.executable, str(HERE / "internet.py"),
+             str(self.directory / "internet.json")], "internet.log", ready,
+        )  # fmt: skip
+
+    def _gateway(self) -> None:
+        argv = [sys.executable, "-m", "space.gateway",
+                "--state-dir", str(self.directory / "gateway"),
+                "--control-socket", str(self.control_socket),
+                "--upstream-dns", DNS_IP, "--upstream-ca", str(self.origin_ca),
+                "--proxy-port", str(NET_CONFIG.proxy_port),
+                "--dns-port", str(NET_CONFIG.dns_port)]  # fmt: skip
+        self._spawn(argv, "gateway.log", self.control_socket)
+
+    def _spawn(self, argv: list[str], log: str, ready: Path) -> None:
+        with (self.directory / log).open("ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=out, start_new_session=True)
+        self.procs.append(proc)
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                text = (self.directory / log).read_text(errors="replace")
+                raise RuntimeError(f"{argv[2:4]} did not start: {text[-2000:]}")
+            time.sleep(0.02)
+
+    async def add_guest(self, sandbox_id: str, policy: Policy) -> Guest:
+        guest_ns = f"spt-guest-{sandbox_id}"
+        nsutil.create(guest_ns, lambda: None)
+        net = await self.manager.create(sandbox_id, guest_veth_netns=guest_ns)
+        n = ["ip", "-n", guest_ns]
+        sh(*n, "link", "set", "lo", "up")
+        sh(*n, "link", "set", "eth0", "address", net.guest_mac)
+        sh(*n, "addr", "add", f"{net.guest_ip}/30", "dev", "eth0")
+        sh(*n, "addr", "add", "fd00:5ace::2/64", "dev", "eth0", "nodad")
+        sh(*n, "link", "set", "eth0", "up")
+        sh(*n, "route", "add", "default", "via", net.gateway_ip)
+        sh(*n, "-6", "route", "add", "default", "via", "fd00:5ace::1")
+        etc = Path("/etc/netns") / guest_ns  # `ip netns exec` mounts it over /etc
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "resolv.conf").write_text(f"nameserver {net.gateway_ip}\n")
+        async with self.client() as gw:
+            await gw.set_policy(sandbox_id, net.sandbox_ip, policy)
+        guest = Guest(sandbox_id, guest_ns, net)
+        self.guests[sandbox_id] = guest
+        return guest
+
+    def run_in_guest(
+        self, guest: Guest, argv: list[str], env: dict[str, str] | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ip", "netns", "exec", guest.netns, *argv],
+            capture_output=True, text=True, timeout=timeout, check=False,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+
+    def internet_events(self) -> list[dict[str, object]]:
+        if not self.internet_log.exists():
+            return []
+        return [json.loads(line) for line in self.internet_log.read_text().splitlines() if line]
+
+    async def stop(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for guest in self.guests.values():
+            await self.manager.destroy(guest.name)
+        await self.manager.sweep()
+        await self.manager.stop()
+        cleanup()
+
+
+def cleanup() -> None:
+    """Remove every namespace, link, route and table the world makes (idempotent)."""
+    for name in nsutil.names("spt-"):
+        nsutil.remove(name)
+        shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+    sh("ip", "link", "del", INET_LINK, check=False)
+    sh("ip", "route", "del", "10.66.0.0/24", check=False)
+    links = sh("ip", "-o", "link", "show").stdout
+    for line in links.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if name.startswith(NET_CONFIG.link_prefix):
+            sh("ip", "link", "del", name, check=False)
+    sh("nft", "delete", "table", "inet", NET_CONFIG.table, check=False)
+
+
+def guest_config(
+    world: World, guest: Guest, others: list[Guest], placeholder: str
+) -> dict[str, object]:
+    """What the attack suite running in `guest` needs to know (the same keys a VM run gets)."""
+    return {
+        "origins": ORIGINS,
+        "private_origin": PRIVATE_ORIGIN,
+        "outside_dns": DNS_IP,
+        "gateway_ip": guest.net.gateway_ip,
+        "host_ips": [guest.net.host_ip, HOST_IP],
+        "gateway_ports": [NET_CONFIG.proxy_port, NET_CONFIG.dns_port],
+        "other_sandboxes": [g.net.sandbox_ip for g in others] + [g.net.host_ip for g in others],
+        "origin_ca": str(world.origin_ca),
+        "gateway_ca": str(world.gateway_ca),
+        "placeholder": placeholder,
+        "interface": "eth0",
+        "can_spoof": True,
+    }
+
+
+def ip_in(address: str, network: str) -> bool:
+    return ipaddress.ip_address(address) in ipaddress.ip_network(network)
+
+
+async def wait_for(predicate: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(predicate) and predicate():
+            return
+        await asyncio.sleep(0.05)
