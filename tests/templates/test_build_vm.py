@@ -24,6 +24,7 @@ from space.worker.templates import (
     BuildLog,
     build_template,
     list_templates,
+    remove_template,
 )
 from space.worker.templates.errors import ImageNotFound, NotBootable
 from space.worker.templates.spec import parse_spec
@@ -164,6 +165,9 @@ async def test_oci_template_runs_its_entrypoint_and_steps_are_cached(
 
     names = [(r.name, r.digest) for r in list_templates(env.root)]
     assert ("hello", first.digest) in names and ("hello", second.digest) in names
+    assert [r.digest for r in remove_template(env.root, "hello", first.digest)] == [first.digest]
+    names = [(r.name, r.digest) for r in list_templates(env.root)]
+    assert ("hello", first.digest) not in names and ("hello", second.digest) in names
 
 
 async def test_failed_step_leaves_nothing_behind(env: BuildEnv, debian_image: str) -> None:

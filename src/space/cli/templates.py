@@ -28,6 +28,8 @@ from space.worker.templates import (
     build_template,
     list_templates,
     load_spec,
+    prune_cache,
+    remove_template,
 )
 from space.worker.vmm.base import VMMError
 
@@ -129,3 +131,29 @@ def list_(root: Path | None) -> None:
             escape(" ".join(r.command) or r.start or ""),
         )
     _console.print(table)
+
+
+@template.command("rm")
+@click.argument("name")
+@click.option("--digest", help="Only this build (default: every build of NAME).")
+@click.option("--root", type=click.Path(path_type=Path, file_okay=False))
+def remove(name: str, digest: str | None, root: Path | None) -> None:
+    """Delete a built template (sandboxes made from it keep their disks)."""
+    removed = remove_template(root or ensure_pool().root, name, digest)
+    if not removed:
+        raise click.ClickException(f"no template {name}" + (f" {digest}" if digest else ""))
+    for r in removed:
+        _console.print(f"removed {r.name} {r.digest}")
+
+
+@template.command("prune")
+@click.option(
+    "--older-than", "hours", type=float, default=24.0, show_default=True,
+    help="Remove step cache entries unused for this many hours.",
+)  # fmt: skip
+@click.option("--root", type=click.Path(path_type=Path, file_okay=False))
+def prune(hours: float, root: Path | None) -> None:
+    """Free the disk space of old build steps (later rebuilds redo them)."""
+    count, freed = prune_cache(root or ensure_pool().root, hours * 3600)
+    # Blocks that templates share with the entries (reflinks) stay allocated.
+    _console.print(f"removed {count} cache entries ({freed / 1e6:.0f} MB of images, shared or not)")

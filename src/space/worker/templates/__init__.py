@@ -6,7 +6,13 @@ build steps that run inside a real build VM, each step cached by a content hash 
 everything before it. See `builder.build_template` for the entry point, `spec` for `space.toml`.
 """
 
-from space.worker.templates.builder import BuildEnv, build_template, list_templates
+from space.worker.templates.builder import (
+    BuildEnv,
+    build_template,
+    list_templates,
+    prune_cache,
+    remove_template,
+)
 from space.worker.templates.buildlog import BuildLog
 from space.worker.templates.errors import (
     AuthenticationFailed,
@@ -36,4 +42,6 @@ __all__ = [
     "list_templates",
     "load_spec",
     "parse_spec",
+    "prune_cache",
+    "remove_template",
 ]

@@ -142,7 +142,11 @@ class _Cache:
 
     def get(self, key: str) -> Path | None:
         entry = self.root / key
-        return entry / ROOTFS_FILE if (entry / "entry.json").is_file() else None
+        if not (entry / "entry.json").is_file():
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(entry / "entry.json")  # last use, for prune_cache
+        return entry / ROOTFS_FILE
 
     def new_tmp(self) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -521,3 +525,48 @@ def list_templates(root: Path) -> list[TemplateRecord]:
             out.append(TemplateRecord.load(record_file.parent))
     out.sort(key=lambda r: (r.name, r.built_at))
     return out
+
+
+def remove_template(root: Path, name: str, digest: str | None = None) -> list[TemplateRecord]:
+    """Delete one build of a template (or every build of `name`); returns what was removed.
+
+    Sandboxes made from it keep working (their disks are clones, not references); whether any
+    still needs it is the caller's question (the control plane knows, this host does not).
+    """
+    removed = []
+    for record in list_templates(root):
+        if record.name == name and digest in (None, record.digest):
+            # Renamed away first, so that no reader ever sees half a template directory.
+            doomed = record.path.with_name(f".tmp-rm-{record.digest}-{uuid.uuid4().hex[:6]}")
+            record.path.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            removed.append(record)
+    with contextlib.suppress(OSError):
+        (root / TEMPLATES_DIR / name).rmdir()  # only if no build of it is left
+    return removed
+
+
+def prune_cache(root: Path, older_than_s: float) -> tuple[int, int]:
+    """Remove step cache entries unused for `older_than_s`; returns (entries, bytes freed).
+
+    Built templates do not depend on the cache (they are clones of it), so pruning costs only
+    the speed of later rebuilds.
+    """
+    count = freed = 0
+    now = time.time()
+    cache = root / CACHE_DIR
+    if not cache.is_dir():
+        return 0, 0
+    for entry in cache.iterdir():
+        marker = entry / "entry.json"
+        try:
+            if entry.name.startswith(".") or now - marker.stat().st_mtime < older_than_s:
+                continue
+            freed += (entry / ROOTFS_FILE).stat().st_blocks * 512
+        except OSError:
+            continue
+        doomed = entry.with_name(f".tmp-rm-{entry.name}")
+        entry.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        count += 1
+    return count, freed
