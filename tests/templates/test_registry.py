@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from space.worker.templates.errors import AuthenticationFailed, ImageNotFound, RegistryError
-from space.worker.templates.registry import Credentials, ImageReference, RegistryClient
+from space.worker.templates.registry import (
+    Credentials,
+    ImageReference,
+    RegistryClient,
+    is_local_host,
+)
 from space.worker.templates.sources import SourceRef, resolve_source
 from tests.templates.conftest import PASSWORD, USER, Registry
 from tests.templates.helpers import (
@@ -131,9 +136,16 @@ async def test_private_registry_needs_and_uses_credentials(
     assert (root / "app/main.py").exists()
 
 
-async def test_plain_http_needs_insecure(registry: Registry) -> None:
+async def test_plain_http_needs_insecure_and_a_local_host(registry: Registry) -> None:
     with pytest.raises(RegistryError, match="insecure"):
         await resolve_source(SourceRef.parse(f"oci://{registry.host}/space/app:v1"), print)
+    with pytest.raises(RegistryError, match="only allowed for registries on this host"):
+        await resolve_source(
+            SourceRef.parse("oci://registry.example.com/a:1"), print, insecure=True
+        )
+    for host in ("localhost:5000", "127.0.0.1:5000", "[::1]:5000", "10.1.2.3", "192.168.0.9:80"):
+        assert is_local_host(host), host
+    assert not is_local_host("8.8.8.8:5000") and not is_local_host("ghcr.io")
 
 
 async def test_blob_digest_is_verified(registry: Registry) -> None:

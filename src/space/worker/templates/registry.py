@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import ipaddress
 import json
 import os
 import re
@@ -116,6 +117,22 @@ class PulledManifest:
     config_json: dict[str, Any]
 
 
+def is_local_host(hostport: str) -> bool:
+    """localhost, or a loopback, private or link-local address (with or without a port)."""
+    host = hostport
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_private or ip.is_link_local
+
+
 def _challenge(header: str) -> tuple[str, dict[str, str]]:
     scheme, _, rest = header.strip().partition(" ")
     params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
@@ -140,6 +157,12 @@ class RegistryClient:
         self.ref = ref
         self.credentials = credentials
         self.insecure = insecure
+        if insecure and not is_local_host(ref.api_host):
+            # Plain HTTP would show credentials and images to the whole path to a remote host.
+            raise RegistryError(
+                f"registry {ref.registry}: plain HTTP (insecure) is only allowed for registries "
+                "on this host or a private network address"
+            )
         scheme = "http" if insecure else "https"
         self.base = f"{scheme}://{ref.api_host}/v2/{ref.repository}"
         self._http = httpx.AsyncClient(timeout=timeout, follow_redirects=True)
