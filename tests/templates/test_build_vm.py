@@ -7,6 +7,7 @@ a layer with an entrypoint script, pushed to a local docker-registry by the test
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import time
 import uuid
@@ -26,9 +27,14 @@ from space.worker.templates import (
     list_templates,
     remove_template,
 )
-from space.worker.templates.errors import ImageNotFound, NotBootable
+from space.worker.templates.errors import (
+    AuthenticationFailed,
+    ImageNotFound,
+    NotBootable,
+    SpecError,
+)
 from space.worker.templates.spec import parse_spec
-from tests.templates.conftest import Registry
+from tests.templates.conftest import PASSWORD, USER, Registry
 from tests.templates.helpers import LAYER_TYPES, Image, compress, file, tar_bytes
 
 pytestmark = pytest.mark.vm
@@ -70,15 +76,13 @@ def env(runtime: LocalRuntime, build_root: Path) -> BuildEnv:
 
 
 @pytest.fixture(scope="module")
-def debian_image(registry: Registry) -> str:
-    """`<registry>/space/debian-hello:1`: the base Debian root + an entrypoint, pushed."""
+def debian_hello() -> Image:
+    """The base Debian root (its mmdebstrap tarball as a zstd layer) + an entrypoint layer."""
     base = ensure_base_template()
-    manifest = (base_root() / base.key / "manifest.json").read_text()
-    import json
-
-    tarball = Path(json.loads(manifest)["stage1_tarball"])
+    manifest = json.loads((base_root() / base.key / "manifest.json").read_text())
+    tarball = Path(manifest["stage1_tarball"])
     hello = compress(tar_bytes([file("usr/local/bin/hello", HELLO, mode=0o755)]), "gzip")
-    img = Image(
+    return Image(
         layers=[(tarball.read_bytes(), LAYER_TYPES["zstd"]), (hello, LAYER_TYPES["gzip"])],
         config={
             "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "GREETING=oci"],
@@ -87,8 +91,18 @@ def debian_image(registry: Registry) -> str:
             "WorkingDir": "/srv",
         },
     )
-    registry.pusher.push("space/debian-hello", "1", img)
+
+
+@pytest.fixture(scope="module")
+def debian_image(registry: Registry, debian_hello: Image) -> str:
+    registry.pusher.push("space/debian-hello", "1", debian_hello)
     return f"{registry.host}/space/debian-hello:1"
+
+
+@pytest.fixture(scope="module")
+def private_debian_image(private_registry: Registry, debian_hello: Image) -> str:
+    private_registry.pusher.push("private/debian-hello", "1", debian_hello)
+    return f"{private_registry.host}/private/debian-hello:1"
 
 
 async def boot(runtime: LocalRuntime, rootfs: Path) -> AsyncIterator[Machine]:
@@ -109,6 +123,10 @@ insecure = true
 start = "sleep infinity"
 ready = "true"
 
+[template.registry]
+username_env = "TEST_REGISTRY_USER"
+password_env = "TEST_REGISTRY_PASSWORD"
+
 [[steps]]
 run = "echo step-one > /etc/marker"
 
@@ -121,15 +139,22 @@ run = "{last_step}"
 
 
 async def test_oci_template_runs_its_entrypoint_and_steps_are_cached(
-    runtime: LocalRuntime, env: BuildEnv, debian_image: str, tmp_path: Path
+    runtime: LocalRuntime, env: BuildEnv, private_debian_image: str, tmp_path: Path
 ) -> None:
+    """From a private registry: the spec names the variables that hold the credentials."""
     (tmp_path / "files").mkdir()
     (tmp_path / "files/a.txt").write_text("copied\n")
+    creds = {"TEST_REGISTRY_USER": USER, "TEST_REGISTRY_PASSWORD": PASSWORD}
+    spec = parse_spec(spec_text(private_debian_image, "echo v1 >> /etc/marker"), tmp_path)
+    with pytest.raises(SpecError, match="TEST_REGISTRY_PASSWORD"):
+        await build_template(spec, env, print, environ={"TEST_REGISTRY_USER": USER})
+    wrong = {**creds, "TEST_REGISTRY_PASSWORD": "wrong"}
+    with pytest.raises(AuthenticationFailed, match="refused the credentials"):
+        await build_template(spec, env, print, environ=wrong)
 
     lines: list[str] = []
     t = time.monotonic()
-    spec = parse_spec(spec_text(debian_image, "echo v1 >> /etc/marker"), tmp_path)
-    first = await build_template(spec, env, lines.append)
+    first = await build_template(spec, env, lines.append, environ=creds)
     cold = time.monotonic() - t
     assert first.command == ["/usr/local/bin/hello", "world"]
     assert (first.workdir, first.env["GREETING"], first.start) == ("/srv", "oci", "sleep infinity")
@@ -145,8 +170,8 @@ async def test_oci_template_runs_its_entrypoint_and_steps_are_cached(
     # Step 3 changed: the source and steps 1-2 come from the cache.
     lines.clear()
     t = time.monotonic()
-    spec = parse_spec(spec_text(debian_image, "echo v2 >> /etc/marker"), tmp_path)
-    second = await build_template(spec, env, lines.append)
+    spec = parse_spec(spec_text(private_debian_image, "echo v2 >> /etc/marker"), tmp_path)
+    second = await build_template(spec, env, lines.append, environ=creds)
     warm = time.monotonic() - t
     log = "\n".join(lines)
     assert "source: cached" in log and "step 1: cached" in log and "step 2: cached" in log, log
@@ -159,7 +184,7 @@ async def test_oci_template_runs_its_entrypoint_and_steps_are_cached(
     # A changed copied file invalidates its step and the ones after it.
     (tmp_path / "files/a.txt").write_text("changed\n")
     lines.clear()
-    await build_template(spec, env, lines.append)
+    await build_template(spec, env, lines.append, environ=creds)
     log = "\n".join(lines)
     assert "step 1: cached" in log and "step 2: cached" not in log, log
 
