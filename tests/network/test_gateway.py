@@ -4,9 +4,13 @@ guest namespace; each of its attacks is one test here."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import secrets
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -187,12 +191,7 @@ async def test_create_destroy_sweep_leave_nothing(world: World) -> None:
     net = await manager.adopt("t0")
     assert net is not None and net.sandbox_ip.startswith("10.201.")
     fd = manager.open_tap(net)  # what QEMU gets: the tap inside the namespace
-    try:
-        assert fd > 0
-    finally:
-        import os
-
-        os.close(fd)
+    os.close(fd)
     assert await manager.destroy("t0")
     assert not await manager.destroy("t0")  # idempotent
     # A "crashed" worker left t1..t9: a new manager's sweep (keeping the world's) removes them.
@@ -216,11 +215,54 @@ def test_world_cleanup_is_complete() -> None:
 
 
 def test_gateway_client_reports_unreachable(tmp_path: Path) -> None:
-    import asyncio
-
     async def probe() -> None:
         async with GatewayClient(tmp_path / "none.sock") as gw:
             with pytest.raises(Exception, match="gateway unreachable"):
                 await gw.health()
 
     asyncio.run(probe())
+
+
+def _tap_carrier(namespace: str) -> int:
+    from pyroute2 import IPRoute  # type: ignore[import-untyped]
+
+    def read() -> int:
+        with IPRoute() as ipr:
+            link = ipr.get_links(ifname="g0")[0]
+            return int(link.get_attr("IFLA_CARRIER"))
+
+    return nsutil.run_in(namespace, read)
+
+
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU")
+async def test_qemu_in_the_host_namespace_drives_the_tap_by_fd() -> None:
+    """How the worker starts QEMU: the tap is opened inside the sandbox's namespace and its fd
+    handed over (`-netdev tap,fd=N`); QEMU itself stays in the host namespace."""
+    manager = NetworkManager(NET_CONFIG)
+    net = await manager.create("qemu-tap")
+    proc: asyncio.subprocess.Process | None = None
+    try:
+        assert _tap_carrier(net.netns) == 0  # nobody on the guest end yet
+        fd = manager.open_tap(net)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "qemu-system-x86_64", "-M", "microvm", "-accel", "tcg", "-nodefaults",
+                "-no-user-config", "-display", "none", "-S",
+                "-netdev", f"tap,id=net0,fd={fd}",
+                "-device", f"virtio-net-device,netdev=net0,mac={net.guest_mac}",
+                pass_fds=[fd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        finally:
+            os.close(fd)  # QEMU holds its own copy
+        deadline = time.monotonic() + 10
+        while _tap_carrier(net.netns) != 1:
+            assert proc.returncode is None, "QEMU exited"
+            assert time.monotonic() < deadline, "QEMU never attached to the tap"
+            await asyncio.sleep(0.05)
+    finally:
+        if proc is not None:
+            proc.kill()
+            await proc.wait()
+        await manager.destroy("qemu-tap")
+    assert not nsutil.exists(net.netns)
