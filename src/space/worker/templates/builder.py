@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -331,17 +330,16 @@ def _copy_digest(src: Path) -> str:
     return h.hexdigest()
 
 
-def _copy_tar(step: Step) -> tuple[bytes, str]:
-    """A tar of what a copy step brings in (owned by root) and where to unpack it."""
+def _copy_tar(step: Step, out: Path) -> str:
+    """Write into `out` a tar of what a copy step brings in (owned by root); where it goes."""
     assert step.src is not None and step.dst is not None
-    buf = io.BytesIO()
 
     def as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.uid = info.gid = 0
         info.uname = info.gname = "root"
         return info
 
-    with tarfile.open(fileobj=buf, mode="w") as tf:
+    with tarfile.open(out, mode="w") as tf:
         if step.src.is_dir():
             dest = step.dst
             for child in sorted(step.src.iterdir()):
@@ -353,7 +351,7 @@ def _copy_tar(step: Step) -> tuple[bytes, str]:
                 dest, _, name = step.dst.rpartition("/")
                 dest = dest or "/"
             tf.add(step.src, arcname=name, filter=as_root)
-    return buf.getvalue(), dest
+    return dest
 
 
 async def _vm_step(
@@ -393,12 +391,15 @@ async def _vm_step(
                 await _run(m, mkdir, state, index, step, log, cwd="/", as_user=False)
             await _run(m, step.run, state, index, step, log, timeout=spec.step_timeout)
         elif step.kind == "copy":
-            data, dest = await asyncio.to_thread(_copy_tar, step)
-            log(f"  copying {len(data) / 1e6:.1f} MB into {dest}")
-            await _run(
-                m, ["python3", "-c", _UNPACK, dest], state, index, step, log, cwd="/",
-                as_user=False, input=data,
-            )  # fmt: skip
+            # Staged on disk and streamed: a copy step may bring in more than fits in memory.
+            with tempfile.TemporaryDirectory(prefix=".tmp-copy-", dir=env.cache) as staging:
+                tar = Path(staging) / "copy.tar"
+                dest = await asyncio.to_thread(_copy_tar, step, tar)
+                log(f"  copying {tar.stat().st_size / 1e6:.1f} MB into {dest}")
+                await _run(
+                    m, ["python3", "-c", _UNPACK, dest], state, index, step, log, cwd="/",
+                    as_user=False, input=tar,
+                )  # fmt: skip
         else:
             raise BuildError(f"step {index}: unknown kind {step.kind!r}")
         t2 = time.monotonic()
@@ -445,7 +446,7 @@ async def _run(
     cwd: str | None = None,
     as_user: bool = True,
     timeout: float | None = None,
-    input: bytes | None = None,
+    input: Path | None = None,
 ) -> None:
     """Run a command in the build VM, its output to the log; a failure raises BuildError."""
     proc = await m.agent.exec(
@@ -467,7 +468,9 @@ async def _run(
 
     async def feed() -> None:
         if input is not None:
-            await proc.write(input)
+            with input.open("rb") as f:
+                while chunk := await asyncio.to_thread(f.read, 1 << 20):
+                    await proc.write(chunk)
             await proc.close_stdin()
 
     feeder = asyncio.ensure_future(feed())
