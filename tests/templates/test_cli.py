@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from space.worker.storage.pool import ensure_pool
+from space.worker.templates import latest_templates
 
 SPACE = str(Path(sys.executable).parent / "space")
 
@@ -47,6 +48,7 @@ def test_build_list_remove(tmp_path: Path, out_root: Path) -> None:
     assert record["env"]["MODE"] == "cli" and record["user"] == "nobody"
     assert record["start"] == "serve" and (built / "rootfs.ext4").is_file()
 
+    assert latest_templates(out_root)["clidemo"].digest == built.name
     r = space("template", "ls", "--root", str(out_root))
     assert r.returncode == 0 and "clidemo" in r.stdout, r.stderr
     r = space("template", "rm", "clidemo", "--root", str(out_root))

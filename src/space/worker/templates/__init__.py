@@ -8,7 +8,9 @@ everything before it. See `builder.build_template` for the entry point, `spec` f
 
 from space.worker.templates.builder import (
     BuildEnv,
+    boot_images,
     build_template,
+    latest_templates,
     list_templates,
     prune_cache,
     remove_template,
@@ -38,7 +40,9 @@ __all__ = [
     "TemplateRecord",
     "TemplateSpec",
     "UnsafeLayer",
+    "boot_images",
     "build_template",
+    "latest_templates",
     "list_templates",
     "load_spec",
     "parse_spec",

@@ -530,6 +530,16 @@ def list_templates(root: Path) -> list[TemplateRecord]:
     return out
 
 
+def latest_templates(root: Path) -> dict[str, TemplateRecord]:
+    """The newest build of each template name under `root`."""
+    return {r.name: r for r in list_templates(root)}  # sorted oldest first: the last one wins
+
+
+def boot_images(record: TemplateRecord, env: BuildEnv) -> BootImages:
+    """What a sandbox of the template boots (e.g. for `VMManager(templates=...)`)."""
+    return BootImages(kernel=env.kernel, initrd=env.initrd, rootfs=record.rootfs)
+
+
 def remove_template(root: Path, name: str, digest: str | None = None) -> list[TemplateRecord]:
     """Delete one build of a template (or every build of `name`); returns what was removed.
 
