@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         SpaceError,
         TemplateInfo,
         ValidationError,
+        VolumeInfo,
     )
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "SpaceError",
     "TemplateInfo",
     "ValidationError",
+    "VolumeInfo",
     "__version__",
 ]
 

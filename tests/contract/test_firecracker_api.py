@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from space.worker.vmm.base import (
+    Drive,
     SnapshotInfo,
     VMConfig,
     VMGone,
@@ -561,6 +562,30 @@ async def test_boot_with_a_tap_device_adds_the_network_interface(
         }
         assert "initrd_path" not in fake.body(pid, "PUT", "/boot-source")
     assert fake.problems() == []
+
+
+async def test_boot_with_extra_drives_adds_them_by_name(
+    fake: Fake, images: Images, tmp_path: Path
+) -> None:
+    volume = tmp_path / "volume.img"
+    volume.write_bytes(b"\0" * 4096)
+    drives = (Drive(volume, "vol-a", read_only=True), Drive(images.rootfs, "empty1"))
+    config = make_config(images, drives=drives, initrd=None)
+    vm = await FirecrackerDriver(fake.firecracker).boot(config, tmp_path / "run")
+    async with closing(vm):
+        pid = vm.status().pid
+        assert pid is not None
+        for i, read_only in enumerate((True, False)):
+            assert fake.body(pid, "PUT", f"/drives/drive{i}") == {
+                "drive_id": f"drive{i}",
+                "path_on_host": f"drive{i}",
+                "is_root_device": False,
+                "is_read_only": read_only,
+            }
+        # The VMM finds each drive under its fixed name, so a restore can swap the file.
+        assert (tmp_path / "run" / "drive0").samefile(volume)
+    assert fake.problems() == []
+    assert volume.read_bytes() == b"\0" * 4096  # the caller's volume outlives the VM
 
 
 async def test_boot_refuses_bad_input_before_starting_anything(

@@ -11,7 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from space import __version__
-from space.api import data, errors, metrics, sandboxes, templates
+from space.api import data, errors, metrics, sandboxes, templates, volumes
 from space.api.deps import Services
 from space.db import migrate
 from space.db.listen import Listener
@@ -47,6 +47,7 @@ def create_app(database_url: str, worker_secret: str) -> FastAPI:
     app.include_router(sandboxes.router)
     app.include_router(data.router)
     app.include_router(templates.router)
+    app.include_router(volumes.router)
     app.include_router(metrics.router)
 
     @app.get("/healthz", include_in_schema=False)

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from space.db.store import Conflict, NotFound
+from space.db.store import Conflict, NotFound, VolumeUnavailable
 from space.problem import problem
 from space.worker.client import WorkerError
 
@@ -44,6 +44,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Conflict)
     async def conflict(_: Request, e: Conflict) -> JSONResponse:
         return problem(409, str(e), state=e.state)
+
+    @app.exception_handler(VolumeUnavailable)
+    async def volume_unavailable(_: Request, e: VolumeUnavailable) -> JSONResponse:
+        return problem(e.status, str(e))
 
     @app.exception_handler(WorkerError)
     async def worker_error(_: Request, e: WorkerError) -> JSONResponse:

@@ -72,7 +72,9 @@ async def create_sandbox(
         raise APIError(404, f"no template {body.template!r}")
     values = body.model_dump()
     values["idempotency_key"] = idempotency_key
-    row = await _claim(svc, caller, values) if body.id is None else None
+    # A pool member has no volumes, and its id is not the client's.
+    pooled = body.id is None and not body.volumes
+    row = await _claim(svc, caller, values) if pooled else None
     created = True
     if row is None:
         values["id"] = body.id or f"sb-{secrets.token_hex(8)}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -30,6 +31,26 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+# Mounting over these would break the guest (its agent lives in /run/space).
+RESERVED_MOUNTS = ("/proc", "/sys", "/dev", "/run")
+
+
+class VolumeAttach(Strict):
+    volume: str = Field(min_length=1, max_length=64, description="a volume id")
+    path: str = Field(min_length=2, max_length=1024, description="absolute mount path")
+    read_only: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def mount_path(cls, path: str) -> str:
+        clean = posixpath.normpath(path)
+        if not path.startswith("/") or clean == "/" or "\0" in path:
+            raise ValueError("must be an absolute path other than /")
+        if any(clean == r or clean.startswith(r + "/") for r in RESERVED_MOUNTS):
+            raise ValueError(f"may not be under {', '.join(RESERVED_MOUNTS)}")
+        return clean
+
+
 class SandboxCreate(Strict):
     template: str = Field("base", min_length=1, max_length=64)
     vcpus: int = Field(1, ge=1, le=16)
@@ -42,11 +63,23 @@ class SandboxCreate(Strict):
         Field(default_factory=dict)
     )
     id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
+    volumes: list[VolumeAttach] = Field(
+        default_factory=list, max_length=2, description="volumes to mount (at most 2)"
+    )
 
     @field_validator("env")
     @classmethod
     def env_names(cls, env: dict[str, str]) -> dict[str, str]:
         return _check_env(env)
+
+    @field_validator("volumes")
+    @classmethod
+    def distinct_volumes(cls, volumes: list[VolumeAttach]) -> list[VolumeAttach]:
+        if len({v.volume for v in volumes}) != len(volumes):
+            raise ValueError("a volume may be attached once")
+        if len({v.path for v in volumes}) != len(volumes):
+            raise ValueError("each volume needs a mount path of its own")
+        return volumes
 
     @field_validator("metadata")
     @classmethod
@@ -73,6 +106,7 @@ class Sandbox(BaseModel):
     worker_id: str | None
     created_at: datetime
     updated_at: datetime
+    volumes: list[VolumeAttach]
     boot: Literal["pool", "restore", "cold"] | None = Field(
         description="how it first came to run: claimed from the warm pool, restored from the "
         "template's base snapshot, or booted; null until it runs"
@@ -112,6 +146,27 @@ class Template(BaseModel):
 
 class TemplateList(BaseModel):
     items: list[Template]
+
+
+class VolumeCreate(Strict):
+    name: str = Field("", max_length=128)
+    size_mib: int = Field(1024, ge=16, le=1 << 20)
+
+
+class Volume(BaseModel):
+    id: str
+    name: str
+    size_mib: int
+    state: Literal["available", "deleting", "deleted"]
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Any) -> Volume:
+        return cls.model_validate({k: row[k] for k in cls.model_fields})
+
+
+class VolumeList(BaseModel):
+    items: list[Volume]
 
 
 class SandboxList(BaseModel):

@@ -14,6 +14,7 @@ from space.cli.sandbox import cp, exec_, sandbox, shell
 from space.cli.services import api, controller, up, worker
 from space.cli.templates import template
 from space.cli.vm import vm
+from space.cli.volumes import volume
 
 
 @click.group()
@@ -35,6 +36,7 @@ cli.add_command(shell)
 cli.add_command(cp)
 cli.add_command(template)
 cli.add_command(pool)
+cli.add_command(volume)
 for command in (up, api, controller, worker, admin):
     cli.add_command(command)
 

@@ -102,6 +102,15 @@ def _pairs_option(*names: str, help: str) -> Callable[[Callable[..., Any]], Call
 _env_option = _pairs_option("--env", "-e", help="Environment variable. Repeatable.")
 
 
+def _volume(param: click.Parameter, value: str) -> dict[str, Any]:
+    """`ID:/path` or `ID:/path:ro` as an attachment."""
+    vid, sep, rest = value.partition(":")
+    path, _, mode = rest.partition(":")
+    if not sep or not vid or not path.startswith("/") or mode not in ("", "ro", "rw"):
+        raise click.BadParameter(f"{value!r} is not ID:/PATH or ID:/PATH:ro", param=param)
+    return {"volume": vid, "path": path, "read_only": mode == "ro"}
+
+
 def _exec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """What `exec` and `shell` share: the command's environment, directory and user."""
     fn = click.option("--user", "-u", help="Run as this user.")(fn)
@@ -146,6 +155,14 @@ def sandbox() -> None:
 @_env_option
 @_pairs_option("--metadata", "-m", help="Label to find it by (ls --metadata). Repeatable.")
 @click.option("--id", "sandbox_id", help="Choose the id (creating it again answers the same one).")
+@click.option(
+    "--volume",
+    "volumes",
+    multiple=True,
+    callback=lambda _c, p, vs: [_volume(p, v) for v in vs],
+    metavar="ID:/PATH[:ro]",
+    help="Mount a volume (read-only with :ro). Repeatable, at most 2.",
+)
 @_api_command
 async def create(
     space: AsyncSpace,
@@ -158,6 +175,7 @@ async def create(
     env: dict[str, str],
     metadata: dict[str, str],
     sandbox_id: str | None,
+    volumes: list[dict[str, Any]],
 ) -> None:
     """Create a sandbox; prints its id once it is running."""
     sb = await AsyncSandbox.create(
@@ -171,6 +189,7 @@ async def create(
         env=env or None,
         metadata=metadata or None,
         id=sandbox_id,
+        volumes=volumes or None,
     )
     if sb.state != "running":
         raise click.ClickException(f"sandbox {sb.id} is {sb.state}: {sb.info.reason or '?'}")

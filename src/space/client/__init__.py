@@ -20,6 +20,7 @@ from space.client._models import (
     PoolInfo,
     SandboxInfo,
     TemplateInfo,
+    VolumeInfo,
 )
 from space.client._sync import ExecStream, Files, Sandbox, Space
 
@@ -49,4 +50,5 @@ __all__ = [
     "SpaceError",
     "TemplateInfo",
     "ValidationError",
+    "VolumeInfo",
 ]

@@ -23,7 +23,14 @@ from space.client._calls import (
 )
 from space.client._errors import NotFoundError, error_from_response, transport_errors
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
-from space.client._models import Event, ExecResult, FileEntry, SandboxInfo, TemplateInfo
+from space.client._models import (
+    Event,
+    ExecResult,
+    FileEntry,
+    SandboxInfo,
+    TemplateInfo,
+    VolumeInfo,
+)
 
 T = TypeVar("T")
 
@@ -63,6 +70,17 @@ class AsyncSpace:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    async def create_volume(self, size_mib: int = 1024, name: str = "") -> VolumeInfo:
+        """An empty volume to attach at sandbox create (`volumes=[{"volume": id, "path": …}]`)."""
+        return await self._call(calls.create_volume(name, size_mib))
+
+    async def volumes(self) -> list[VolumeInfo]:
+        return await self._call(calls.volumes())
+
+    async def delete_volume(self, volume_id: str) -> VolumeInfo:
+        """Deletes its data; refused while a sandbox that is not deleted has it."""
+        return await self._call(calls.delete_volume(volume_id))
 
     async def templates(self) -> list[TemplateInfo]:
         """Every template, with the state of its warm pool."""

@@ -19,7 +19,7 @@ import httpx
 from space import __version__
 from space.client._config import resolve_credentials
 from space.client._errors import SpaceError
-from space.client._models import Event, FileEntry, SandboxInfo, TemplateInfo
+from space.client._models import Event, FileEntry, SandboxInfo, TemplateInfo, VolumeInfo
 
 T = TypeVar("T")
 HTTPClient = TypeVar("HTTPClient", httpx.Client, httpx.AsyncClient)
@@ -27,6 +27,7 @@ Client = TypeVar("Client")
 
 SANDBOXES = "/v1/sandboxes"
 TEMPLATES = "/v1/templates"
+VOLUMES = "/v1/volumes"
 # Lifecycle calls answer once the change is done, which the API waits for up to 300 s.
 DEFAULT_TIMEOUT = 330.0
 CHUNK_SIZE = 1 << 20
@@ -44,6 +45,8 @@ class CreateOptions(TypedDict, total=False):
     env: Mapping[str, str] | None
     metadata: Mapping[str, str] | None
     id: str | None  # a client-chosen id: creating it again answers the same sandbox
+    # [{"volume": "vol-…", "path": "/data", "read_only": False}]: volumes to mount (at most 2)
+    volumes: Sequence[Mapping[str, Any]] | None
     idempotency_key: str | None
     wait: bool | None  # False: answer at once, before the sandbox is running
 
@@ -183,7 +186,10 @@ def create(options: CreateOptions) -> Call[SandboxInfo]:
     key = given.pop("idempotency_key", None)
     headers = {"Idempotency-Key": str(key)} if key else {}
     wait = bool(given.pop("wait", True))
+    given.pop("volumes", None)
     body = {k: dict(v) if isinstance(v, Mapping) else v for k, v in given.items()}
+    if options.get("volumes") is not None:
+        body["volumes"] = [dict(v) for v in options.get("volumes") or ()]
     return Call(
         "POST",
         SANDBOXES,
@@ -249,6 +255,24 @@ def set_pool(
         _json(TemplateInfo.from_json),
         body={"size": size, **{k: v for k, v in shape.items() if v is not None}},
     )
+
+
+# Volumes
+
+
+def create_volume(name: str, size_mib: int) -> Call[VolumeInfo]:
+    body = {"name": name, "size_mib": size_mib}
+    return Call("POST", VOLUMES, _json(VolumeInfo.from_json), body=body)
+
+
+def volumes() -> Call[list[VolumeInfo]]:
+    return Call(
+        "GET", VOLUMES, _json(lambda data: [VolumeInfo.from_json(v) for v in data["items"]])
+    )
+
+
+def delete_volume(volume_id: str) -> Call[VolumeInfo]:
+    return Call("DELETE", f"{VOLUMES}/{quote(volume_id, safe='')}", _json(VolumeInfo.from_json))
 
 
 class Pages:

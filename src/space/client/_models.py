@@ -40,6 +40,7 @@ class SandboxInfo:
     created_at: datetime
     updated_at: datetime
     boot: str | None = None  # how it first came to run: "pool", "restore" or "cold"
+    volumes: tuple[dict[str, Any], ...] = ()  # {"volume", "path", "read_only"} each
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SandboxInfo:
@@ -61,6 +62,7 @@ class SandboxInfo:
             created_at=_time(data["created_at"]),
             updated_at=_time(data["updated_at"]),
             boot=data.get("boot"),
+            volumes=tuple(dict(v) for v in data.get("volumes") or ()),
         )
 
 
@@ -88,6 +90,22 @@ class TemplateInfo:
         pool = PoolInfo(int(p["size"]), int(p["vcpus"]), int(p["memory_mib"]),
                         int(p["disk_mib"]), int(p["ready"]), int(p["starting"]))  # fmt: skip
         return cls(id=data["id"], created_at=_time(data["created_at"]), pool=pool)
+
+
+@dataclass(frozen=True)
+class VolumeInfo:
+    """A disk of the tenant's own that outlives its sandboxes."""
+
+    id: str
+    name: str
+    size_mib: int
+    state: str
+    created_at: datetime
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> VolumeInfo:
+        return cls(id=data["id"], name=data["name"], size_mib=int(data["size_mib"]),
+                   state=data["state"], created_at=_time(data["created_at"]))  # fmt: skip
 
 
 @dataclass(frozen=True)

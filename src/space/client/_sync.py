@@ -22,7 +22,14 @@ from space.client._calls import (
 )
 from space.client._errors import NotFoundError, error_from_response, transport_errors
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
-from space.client._models import Event, ExecResult, FileEntry, SandboxInfo, TemplateInfo
+from space.client._models import (
+    Event,
+    ExecResult,
+    FileEntry,
+    SandboxInfo,
+    TemplateInfo,
+    VolumeInfo,
+)
 
 T = TypeVar("T")
 
@@ -62,6 +69,17 @@ class Space:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def create_volume(self, size_mib: int = 1024, name: str = "") -> VolumeInfo:
+        """An empty volume to attach at sandbox create (`volumes=[{"volume": id, "path": …}]`)."""
+        return self._call(calls.create_volume(name, size_mib))
+
+    def volumes(self) -> list[VolumeInfo]:
+        return self._call(calls.volumes())
+
+    def delete_volume(self, volume_id: str) -> VolumeInfo:
+        """Deletes its data; refused while a sandbox that is not deleted has it."""
+        return self._call(calls.delete_volume(volume_id))
 
     def templates(self) -> list[TemplateInfo]:
         """Every template, with the state of its warm pool."""

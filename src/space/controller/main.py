@@ -68,6 +68,9 @@ async def run(database_url: str, worker_secret: str) -> None:
                 asyncio.ensure_future(
                     upkeep.every(15.0, "gc", partial(upkeep.collect_garbage, store, workers))
                 ),
+                asyncio.ensure_future(
+                    upkeep.every(1.0, "volumes", partial(upkeep.delete_volumes, store, workers))
+                ),
             ]
             lost = asyncio.ensure_future(leadership.lost())
             await asyncio.wait([lost, *loops], return_when=asyncio.FIRST_COMPLETED)

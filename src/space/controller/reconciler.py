@@ -114,6 +114,14 @@ class Reconciler:
         async with self._placement:
             workers = await self.store.workers()
             load = await self.store.worker_load()
+            volumes = await self.store.sandbox_volumes(row)
+            homes = {v["worker_id"] for v in volumes if v["worker_id"]}
+            if len(homes) > 1:
+                why = f"its volumes live on different workers ({', '.join(sorted(homes))})"
+                await self.store.transition(row["id"], ["pending"], "error", reason=why)
+                return False
+            if homes:  # a volume's image is on one host: the sandbox must go there
+                workers = [w for w in workers if w["id"] in homes]
             worker_id = pick_worker(workers, load, row["vcpus"], row["memory_mib"])
             if worker_id is None and row["pool"]:
                 # A pool never waits for room: it only fills what real sandboxes leave free.
@@ -127,6 +135,8 @@ class Reconciler:
                 if row["reason"] != reason:
                     await self.store.transition(row["id"], ["pending"], "pending", reason=reason)
                 return False
+            if volumes:
+                await self.store.bind_volumes([v["id"] for v in volumes], worker_id)
             return (
                 await self.store.transition(row["id"], ["pending"], "starting", worker_id=worker_id)
                 is not None
@@ -144,6 +154,10 @@ class Reconciler:
             "env": row["env"],
             "hostname": row["id"],
             "warm": row["pool"],
+            "volumes": [
+                {k: v[k] for k in ("id", "size_mib", "path", "read_only")}
+                for v in await self.store.sandbox_volumes(row)
+            ],
         }
         try:
             made = await self.workers.call("PUT", url, json=body)

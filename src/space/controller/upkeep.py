@@ -100,6 +100,21 @@ async def collect_garbage(store: Store, workers: WorkerClient) -> None:
             log.info("worker %s removed strays: %s", worker["id"], result["removed"])
 
 
+async def delete_volumes(store: Store, workers: WorkerClient) -> None:
+    """Volumes asked to be deleted lose their image on their worker, then their row."""
+    for vol in await store.volumes_to_delete():
+        worker = await store.worker(vol["worker_id"]) if vol["worker_id"] else None
+        if worker is not None:
+            if worker["state"] != "active":
+                continue  # its image is on that host: wait for the worker to come back
+            try:
+                await workers.call("DELETE", f"{worker['url']}/volumes/{vol['id']}")
+            except WorkerError as e:
+                log.info("volume %s not deleted yet: %s", vol["id"], e)
+                continue
+        await store.volume_deleted(vol["id"])
+
+
 async def every(seconds: float, name: str, fn: Callable[[], Awaitable[None]]) -> None:
     """Run `fn()` forever, `seconds` apart; an error is logged, not fatal."""
     while True:

@@ -76,6 +76,8 @@ sandboxes = sa.Table(
     sa.Column("env", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("metadata", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("idempotency_key", sa.Text),
+    # [{"volume": id, "path": "/data", "read_only": false}]: where its volumes are mounted
+    sa.Column("volumes", JSONB, nullable=False, server_default=sa.text("'[]'::jsonb")),
     # A warm-pool member: owned by POOL_TENANT until a create claims it.
     sa.Column("pool", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("boot", sa.Text),  # how it came to run first: pool, restore or cold
@@ -103,6 +105,20 @@ sandboxes = sa.Table(
         unique=True,
         postgresql_where=sa.text("idempotency_key IS NOT NULL"),
     ),
+)
+
+volumes = sa.Table(
+    "volumes",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("name", sa.Text, nullable=False, server_default=""),
+    sa.Column("size_mib", sa.Integer, nullable=False),
+    sa.Column("state", sa.Text, nullable=False),  # available | deleting | deleted
+    # The worker whose host holds its image, from its first attachment on.
+    sa.Column("worker_id", sa.Text, sa.ForeignKey("workers.id")),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Index("volumes_tenant", "tenant_id", "created_at"),
 )
 
 events = sa.Table(

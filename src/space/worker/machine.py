@@ -22,6 +22,7 @@ from space.worker.storage.pool import Pool
 from space.worker.storage.reflink import clone_file
 from space.worker.vmm.base import (
     VM,
+    Drive,
     Driver,
     SnapshotInfo,
     VMConfig,
@@ -83,6 +84,7 @@ class Machine:
         hostname: str | None = None,
         boot_timeout: float = 90.0,
         vms_dir: Path | None = None,
+        drives: tuple[Drive, ...] = (),
     ) -> Machine:
         """Cold boot: clone the template, start the VMM, wait for the agent to answer.
 
@@ -103,6 +105,7 @@ class Machine:
                 memory_mib=memory_mib,
                 hostname=hostname or f"sb-{vm_id}",
                 agent_token=new_token(),
+                drives=drives,
             )
             t1 = time.perf_counter()
             vm = await driver.boot(config, run_dir)
@@ -129,11 +132,13 @@ class Machine:
         hostname: str | None = None,
         timeout: float = 30.0,
         vms_dir: Path | None = None,
+        drives: tuple[Drive, ...] | None = None,
     ) -> Machine:
         """Start a VM from a snapshot and give it an identity of its own.
 
         Restoring with the snapshot's own id and hostname wakes that VM up again (a suspended
-        sandbox); other ids make clones.
+        sandbox); other ids make clones. `drives` puts other files in the snapshot's extra
+        drives (as many as it has); the guest sees them once it probes those devices again.
         """
         t0 = time.perf_counter()
         vm_id = vm_id or new_vm_id()
@@ -142,6 +147,8 @@ class Machine:
             disk = run_dir / DISK
             await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
             config = snapshot.config.with_changes(vm_id=vm_id, rootfs=disk)
+            if drives is not None:
+                config = config.with_changes(drives=drives)
             t1 = time.perf_counter()
             vm = await driver.restore(snapshot, config, run_dir)
         except BaseException:

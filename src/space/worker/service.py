@@ -41,12 +41,16 @@ from space.worker.agent_client import (
 )
 from space.worker.vmm.base import VMMError
 from space.worker.vms import (
+    VOLUME_ID,
+    VOLUME_SLOTS,
     InvalidArgument,
     NoRoom,
     TemplateNotFound,
     VMManager,
     VMManagerError,
     VMNotFound,
+    VolumeInUse,
+    VolumeMount,
     WrongState,
 )
 
@@ -66,6 +70,7 @@ MANAGER_STATUS: dict[type[VMManagerError], int] = {
     VMNotFound: 404,
     TemplateNotFound: 404,
     WrongState: 409,
+    VolumeInUse: 409,
     NoRoom: 507,
 }
 AGENT_STATUS = {
@@ -119,6 +124,13 @@ EnvName = Annotated[str, Field(pattern=ENV_NAME)]
 EnvValue = Annotated[str, Field(max_length=32768, pattern=r"^[^\x00]*$")]
 
 
+class VolumeBody(Strict):
+    id: str = Field(pattern=VOLUME_ID.pattern)
+    size_mib: int = Field(ge=1, le=1 << 22)
+    path: str = Field(pattern=r"^/[^\x00]*$", max_length=MAX_PATH)
+    read_only: bool = False
+
+
 class CreateBody(Strict):
     template: str = Field("base", pattern=TEMPLATE)
     vcpus: int = Field(1, ge=1, le=64)
@@ -127,6 +139,7 @@ class CreateBody(Strict):
     hostname: str | None = Field(None, pattern=HOSTNAME)
     disk_mib: int = Field(0, ge=0, le=1 << 20)
     warm: bool = False
+    volumes: list[VolumeBody] = Field(default_factory=list, max_length=VOLUME_SLOTS)
 
 
 class ClaimBody(Strict):
@@ -322,6 +335,7 @@ class WorkerAPI:
         sb = await self.manager.create(
             self._vm_id(request), body.template, body.vcpus, body.memory_mib, body.env,
             body.hostname, body.disk_mib, body.warm,
+            [VolumeMount(**v.model_dump()) for v in body.volumes],
         )  # fmt: skip
         return JSONResponse(
             {"id": sb.id, "state": sb.state, "boot": sb.boot, "took_ms": round(sb.took_ms, 3)}
@@ -346,6 +360,10 @@ class WorkerAPI:
 
     async def delete(self, request: Request) -> Response:
         await self.manager.delete(self._vm_id(request))
+        return Response(status_code=204)
+
+    async def delete_volume(self, request: Request) -> Response:
+        await self.manager.delete_volume(str(request.path_params["volume_id"]))
         return Response(status_code=204)
 
     async def reconcile(self, request: Request) -> Response:
@@ -581,6 +599,7 @@ def make_app(manager: VMManager, secret: str) -> Starlette:
         Route(vm, api.create, methods=["PUT"]),
         Route(vm, api.delete, methods=["DELETE"]),
         Route(f"{vm}/claim", api.claim, methods=["POST"]),
+        Route("/volumes/{volume_id}", api.delete_volume, methods=["DELETE"]),
         Route(f"{vm}/pause", api.pause, methods=["POST"]),
         Route(f"{vm}/resume", api.resume, methods=["POST"]),
         Route(f"{vm}/suspend", api.suspend, methods=["POST"]),

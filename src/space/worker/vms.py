@@ -22,9 +22,10 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,41 @@ from typing import Any
 from space.worker.agent_client import AgentClient, AgentError, ExecProcess
 from space.worker.local import LocalRuntime
 from space.worker.machine import BootImages, Machine
-from space.worker.vmm.base import SnapshotInfo, VMMError, VMState, VMStateError
+from space.worker.vmm.base import Drive, SnapshotInfo, VMMError, VMState, VMStateError
 from space.worker.vmm.process import VMMProcess
 from space.worker.vmm.qemu import QMP_SOCKET, QemuDriver
 
 log = logging.getLogger(__name__)
 
 SANDBOX_FILE = "sandbox.json"
+# Every VM has this many extra drives: empty slots, or the sandbox's volumes. A restore can put
+# a volume in a slot (same devices, another file), so volumes need no boot.
+VOLUME_SLOTS = 2
+EMPTY_SLOT = "empty-slot.img"
+VOLUME_ID = re.compile(r"^[a-z0-9][a-z0-9-]{2,19}$")  # it is the drive's serial: 20 bytes at most
+# Finds each volume by its serial and mounts it. A restored VM's guest saw an empty slot (size
+# 0, no read-only flag) there: rebinding the virtio driver makes it probe the new disk afresh.
+MOUNT_SCRIPT = """
+set -e
+find_disk() {
+  for d in /sys/block/vd*; do
+    if [ "$(cat $d/serial)" = "$1" ]; then echo ${d##*/}; return; fi
+  done
+}
+while [ $# -gt 0 ]; do
+  serial=$1 target=$2 options=$3; shift 3
+  disk=$(find_disk $serial)
+  [ -n "$disk" ] || { echo "volume $serial is not attached" >&2; exit 1; }
+  if [ "$(cat /sys/block/$disk/size)" = 0 ]; then
+    dev=$(basename $(readlink -f /sys/block/$disk/device))
+    echo $dev > /sys/bus/virtio/drivers/virtio_blk/unbind
+    echo $dev > /sys/bus/virtio/drivers/virtio_blk/bind
+    disk=$(find_disk $serial)
+  fi
+  mkdir -p "$target"
+  mount -t ext4 -o "$options" /dev/$disk "$target"
+done
+"""
 LOCK_FILE = "worker.lock"
 IMAGES_FILE = "images.json"
 VM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -75,6 +104,20 @@ class NoRoom(VMManagerError):
     """The worker's vCPU or memory capacity would be exceeded."""
 
 
+class VolumeInUse(VMManagerError):
+    """A volume some VM on this worker still has attached."""
+
+
+@dataclass(frozen=True)
+class VolumeMount:
+    """A volume in a sandbox: its image's id and size, where the guest mounts it, and how."""
+
+    id: str
+    size_mib: int
+    path: str
+    read_only: bool = False
+
+
 @dataclass(frozen=True)
 class SandboxSpec:
     """What a sandbox was created with; kept next to its VM and its suspended snapshot."""
@@ -85,6 +128,12 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)
     hostname: str = ""
     disk_mib: int = 0  # 0: the template image's own size
+    volumes: tuple[VolumeMount, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SandboxSpec:
+        volumes = tuple(VolumeMount(**v) for v in data.get("volumes", ()))
+        return cls(**{**data, "volumes": volumes})
 
 
 @dataclass
@@ -123,7 +172,7 @@ class SandboxVM:
     @classmethod
     def load(cls, vm_id: str, directory: Path, machine: Machine | None) -> SandboxVM:
         record = json.loads((directory / SANDBOX_FILE).read_text())
-        spec = SandboxSpec(**record["spec"])
+        spec = SandboxSpec.from_json(record["spec"])
         return cls(vm_id, spec, machine, str(record["boot"]), float(record["took_ms"]))
 
 
@@ -178,6 +227,9 @@ class VMManager:
         self.suspended_dir = self.root / "suspended"
         self.base_dir = self.root / "base"
         self.building_dir = self.root / "building"
+        # Volumes outlive sandboxes and worker ids: they belong to the host's pool.
+        self.volumes_dir = self.pool.root / "volumes"
+        self.empty_slot = self.root / EMPTY_SLOT
         self._vms: dict[str, SandboxVM] = {}
         self._reserved: dict[str, tuple[int, int]] = {}
         self._locks = KeyedLock()
@@ -188,9 +240,13 @@ class VMManager:
 
     async def start(self) -> None:
         """Adopt the VMs a previous worker process left running; list the suspended ones."""
-        for d in (self.vms_dir, self.suspended_dir, self.base_dir, self.building_dir):
+        for d in (self.vms_dir, self.suspended_dir, self.base_dir, self.building_dir,
+                  self.volumes_dir):  # fmt: skip
             d.mkdir(parents=True, exist_ok=True)
         self._take_lock()
+        self.empty_slot.touch(mode=0o600)
+        for tmp in self.volumes_dir.glob(".*"):
+            tmp.unlink(missing_ok=True)  # a volume image whose making was cut short
         # Work a previous process did not finish: base builds and half-written snapshots.
         for run_dir in self.building_dir.iterdir():
             await _kill_leftover(run_dir)
@@ -310,6 +366,7 @@ class VMManager:
         hostname: str | None = None,
         disk_mib: int = 0,
         warm: bool = False,
+        volumes: Sequence[VolumeMount] = (),
     ) -> SandboxVM:
         """A running VM restored from the base snapshot of its shape; the existing one if any.
 
@@ -338,8 +395,9 @@ class VMManager:
                 raise InvalidArgument(
                     f"disk_mib {disk_mib} is smaller than template {template} ({image_mib} MiB)"
                 )
+            _check_volumes(volumes)
             spec = SandboxSpec(template, vcpus, memory_mib, dict(env or {}),
-                               hostname or f"sb-{vm_id}", disk_mib)  # fmt: skip
+                               hostname or f"sb-{vm_id}", disk_mib, tuple(volumes))  # fmt: skip
             self._reserve(vm_id, vcpus, memory_mib)
             try:
                 started = time.perf_counter()
@@ -347,6 +405,8 @@ class VMManager:
                 took_ms = (time.perf_counter() - started) * 1000
                 sb = SandboxVM(vm_id, spec, machine, boot, took_ms)
                 try:
+                    if volumes:
+                        await self._mount_volumes(machine, spec.volumes)
                     if disk_mib:
                         try:
                             await machine.grow_disk(disk_mib)
@@ -368,6 +428,7 @@ class VMManager:
     async def _make(self, vm_id: str, spec: SandboxSpec, images: BootImages) -> tuple[Machine, str]:
         """The sandbox's VM and how it was made: restored from the base snapshot of its shape
         ("restore"; "cold" if that snapshot had to be built first), or booted ("cold")."""
+        drives = await self._drives(spec.volumes)
         if self.base_snapshots:
             base, built = await self._base_snapshot(
                 spec.template, spec.vcpus, spec.memory_mib, images
@@ -375,7 +436,7 @@ class VMManager:
             try:
                 machine = await Machine.restore(
                     self.driver, self.pool, base, vm_id=vm_id, hostname=spec.hostname,
-                    vms_dir=self.vms_dir,
+                    vms_dir=self.vms_dir, drives=drives,
                 )  # fmt: skip
                 return machine, "cold" if built else "restore"
             except (VMMError, AgentError, TimeoutError) as e:
@@ -386,8 +447,34 @@ class VMManager:
         machine = await Machine.boot(
             self.driver, self.pool, images, vm_id=vm_id, vcpus=spec.vcpus,
             memory_mib=spec.memory_mib, hostname=spec.hostname, vms_dir=self.vms_dir,
+            drives=drives,
         )  # fmt: skip
         return machine, "cold"
+
+    async def _drives(self, volumes: Sequence[VolumeMount]) -> tuple[Drive, ...]:
+        """The VM's extra drives: its volumes' images (made on first use), then empty slots."""
+        drives = []
+        for v in volumes:
+            image = self.volumes_dir / f"{v.id}.img"
+            if not image.exists():
+                await asyncio.to_thread(_make_volume, image, v.size_mib)
+            drives.append(Drive(image, v.id, v.read_only))
+        empty = [Drive(self.empty_slot, f"empty{i}", placeholder=True)
+                 for i in range(len(drives), VOLUME_SLOTS)]  # fmt: skip
+        return (*drives, *empty)
+
+    async def _mount_volumes(self, machine: Machine, volumes: Sequence[VolumeMount]) -> None:
+        """Mount each volume where asked. Read-only mounts skip the journal: the device (read-
+        only for the VMM too) refuses its replay."""
+        args: list[str] = []
+        for v in volumes:
+            args += [v.id, v.path, "ro,noload" if v.read_only else "rw"]
+        r = await machine.agent.run(["/bin/sh", "-c", MOUNT_SCRIPT, "mount-volumes", *args],
+                                    timeout=30)  # fmt: skip
+        if r.exit_code != 0:
+            raise InvalidArgument(
+                f"mounting volumes failed: {r.stderr.decode(errors='replace').strip()}"
+            )
 
     async def _base_snapshot(
         self, template: str, vcpus: int, memory_mib: int, images: BootImages
@@ -404,6 +491,7 @@ class VMManager:
             machine = await Machine.boot(
                 self.driver, self.pool, images, vm_id=f"base-{key}-{uuid.uuid4().hex[:6]}",
                 vcpus=vcpus, memory_mib=memory_mib, vms_dir=self.building_dir,
+                drives=await self._drives(()),
             )  # fmt: skip
             tmp = self.base_dir / f".{key}.{uuid.uuid4().hex[:8]}"
             try:
@@ -497,11 +585,15 @@ class VMManager:
             return sb
 
     async def delete(self, vm_id: str) -> bool:
-        """Stop the VM and remove its disk, snapshot and files; False if there was nothing."""
+        """Stop the VM and remove its disk, snapshot and files; False if there was nothing.
+
+        Its volumes are synced and unmounted first, so what was written to them stays."""
         _check_id(vm_id)
         async with self._locks.hold(vm_id):
             sb = self._vms.pop(vm_id, None)
             if sb is not None and sb.machine is not None:
+                if sb.spec.volumes and sb.state in ("running", "paused"):
+                    await _release_volumes(sb.machine, sb.spec.volumes)
                 await sb.machine.close()
             found = sb is not None
             for leftover in (self.vms_dir / vm_id, self.suspended_dir / vm_id):
@@ -509,6 +601,21 @@ class VMManager:
                     found = True
                     await _kill_leftover(leftover)
             return found
+
+    async def delete_volume(self, volume_id: str) -> bool:
+        """Remove a volume's image; False if this worker has none."""
+        if not VOLUME_ID.match(volume_id):
+            raise InvalidArgument(f"volume id {volume_id!r} must match {VOLUME_ID.pattern}")
+        users = [
+            sb.id for sb in self._vms.values() if any(v.id == volume_id for v in sb.spec.volumes)
+        ]
+        if users:
+            raise VolumeInUse(f"volume {volume_id} is attached to {', '.join(sorted(users))}")
+        image = self.volumes_dir / f"{volume_id}.img"
+        if not image.exists():
+            return False
+        image.unlink()
+        return True
 
     async def reconcile(self, keep: Iterable[str]) -> list[str]:
         """Delete every VM and suspended snapshot not in `keep` (except very young VMs)."""
@@ -562,6 +669,47 @@ class VMManager:
         )  # fmt: skip
 
 
+def _check_volumes(volumes: Sequence[VolumeMount]) -> None:
+    if len(volumes) > VOLUME_SLOTS:
+        raise InvalidArgument(f"at most {VOLUME_SLOTS} volumes per sandbox")
+    paths = [os.path.normpath(v.path) for v in volumes]
+    for v, path in zip(volumes, paths, strict=True):
+        if not VOLUME_ID.match(v.id):
+            raise InvalidArgument(f"volume id {v.id!r} must match {VOLUME_ID.pattern}")
+        if not path.startswith("/") or path == "/":
+            raise InvalidArgument(f"volume {v.id}: mount path {v.path!r} must be absolute, not /")
+    if len(set(paths)) != len(paths) or len({v.id for v in volumes}) != len(volumes):
+        raise InvalidArgument("each volume and each mount path may appear once")
+
+
+async def _release_volumes(machine: Machine, volumes: Sequence[VolumeMount]) -> None:
+    """Flush and unmount the volumes before the VM goes: best effort, the VM goes anyway."""
+    try:
+        if machine.status().state == VMState.PAUSED:
+            await machine.resume()
+        paths = [v.path for v in volumes]
+        await machine.agent.run(["/bin/sh", "-c", 'sync; umount "$@"', "umount", *paths],
+                                timeout=10)  # fmt: skip
+    except (VMMError, AgentError, TimeoutError) as e:
+        log.warning("VM %s: volumes not cleanly unmounted: %s", machine.id, e)
+
+
+def _make_volume(image: Path, size_mib: int) -> None:
+    """An empty ext4 volume, sparse; made under a temporary name so a crash leaves no half."""
+    tmp = image.with_name(f".{image.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.truncate(size_mib << 20)
+        os.chmod(tmp, 0o600)
+        r = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(tmp)],
+                           capture_output=True, text=True, check=False)  # fmt: skip
+        if r.returncode != 0:
+            raise VMManagerError(f"mkfs.ext4 of volume {image.stem} failed: {r.stderr.strip()}")
+        tmp.rename(image)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _check_id(vm_id: str) -> None:
     if not VM_ID.match(vm_id):
         raise InvalidArgument(f"VM id {vm_id!r} must match {VM_ID.pattern}")
@@ -574,7 +722,10 @@ def _live(sb: SandboxVM, verb: str) -> Machine:
 
 
 def _images_record(images: BootImages) -> dict[str, Any]:
-    return {k: str(v) if v is not None else None for k, v in asdict(images).items()}
+    record: dict[str, Any] = {k: str(v) if v is not None else None
+                              for k, v in asdict(images).items()}  # fmt: skip
+    record["volume_slots"] = VOLUME_SLOTS  # the devices a restore must match
+    return record
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -42,6 +42,28 @@ class VMState(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class Drive:
+    """A disk besides the root one: a volume, or an empty slot one can be put in at restore.
+
+    The guest finds it by `serial` (/sys/block/vd*/serial), not by its order."""
+
+    path: Path
+    serial: str
+    read_only: bool = False
+    # An empty slot: a zero-length file many VMs share, so the VMM must not lock it.
+    placeholder: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "serial": self.serial, "read_only": self.read_only,
+                "placeholder": self.placeholder}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Drive:
+        return cls(Path(data["path"]), str(data["serial"]), bool(data.get("read_only", False)),
+                   bool(data.get("placeholder", False)))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class VMConfig:
     """Everything needed to boot a VM. Saved with snapshots, so restores match exactly."""
 
@@ -56,6 +78,7 @@ class VMConfig:
     extra_cmdline: str = ""
     tap_device: str | None = None
     guest_mac: str | None = None
+    drives: tuple[Drive, ...] = ()
 
     def kernel_cmdline(self, console: str) -> str:
         parts = [
@@ -77,6 +100,7 @@ class VMConfig:
         for key in ("kernel", "rootfs", "initrd"):
             if data[key] is not None:
                 data[key] = str(data[key])
+        data["drives"] = [d.to_json() for d in self.drives]
         return data
 
     @classmethod
@@ -85,6 +109,7 @@ class VMConfig:
         for key in ("kernel", "rootfs", "initrd"):
             if data.get(key) is not None:
                 data[key] = Path(data[key])
+        data["drives"] = tuple(Drive.from_json(d) for d in data.get("drives", ()))
         return cls(**data)
 
     def with_changes(self, **changes: Any) -> VMConfig:

@@ -47,6 +47,7 @@ AGENT_SOCKET = "agent.sock"
 CONSOLE_LOG = "console.log"
 QEMU_LOG = "qemu.log"
 VM_FILE = "vm.json"
+DRIVE_ID = "drive"  # extra drives are drive0, drive1, …
 STATE_FD = 3
 SOCKET_WAIT_S = 10.0
 MIGRATE_BANDWIDTH = 8 << 30  # bytes/s; QEMU's default (32 MiB/s) would make snapshots crawl
@@ -326,6 +327,13 @@ class QemuDriver(Driver):
         ]  # fmt: skip
         if config.initrd is not None:
             argv += ["-initrd", str(config.initrd)]
+        for i, drive in enumerate(config.drives):
+            ro = ",readonly=on" if drive.read_only else ""
+            ro += ",file.locking=off" if drive.placeholder else ""
+            argv += [
+                "-drive", f"id={DRIVE_ID}{i},file={_qemu_path(drive.path)},format=raw,if=none{ro}",
+                "-device", f"virtio-blk-device,drive={DRIVE_ID}{i},serial={drive.serial}",
+            ]  # fmt: skip
         if config.tap_device:
             mac = config.guest_mac or "02:00:00:00:00:01"
             argv += [
@@ -424,6 +432,11 @@ def _check_same_machine(saved: VMConfig, new: VMConfig) -> None:
             )
     if bool(saved.tap_device) != bool(new.tap_device):
         raise VMMError("cannot restore: the snapshot's VM and this one differ in network devices")
+    if len(saved.drives) != len(new.drives):
+        raise VMMError(
+            f"cannot restore: the snapshot's VM has {len(saved.drives)} extra drives, this one "
+            f"{len(new.drives)}"
+        )
 
 
 @functools.cache

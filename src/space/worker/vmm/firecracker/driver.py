@@ -78,6 +78,7 @@ MAX_VCPUS = 32  # Firecracker's limit
 KERNEL = "vmlinux"
 INITRD = "initrd"
 ROOTFS = "rootfs"
+DRIVE_ID = "drive"  # extra drives: drive0, drive1, … (both their id and their file's name)
 VSOCK_SOCKET = "vsock.sock"
 VMM_LOG = "firecracker.log"
 METRICS = "metrics.json"
@@ -126,7 +127,11 @@ class FirecrackerDriver(Driver):
             raise VMMError(f"Firecracker supports 1 to {MAX_VCPUS} vCPUs, not {config.vcpus}")
         if config.memory_mib < 1:
             raise VMMError(f"memory_mib must be positive, not {config.memory_mib}")
-        files = [(config.kernel, KERNEL, False), (config.rootfs, ROOTFS, True)]
+        files = [
+            (config.kernel, KERNEL, False),
+            (config.rootfs, ROOTFS, True),
+            *_drive_files(config),
+        ]
         if config.initrd is not None:
             files.append((config.initrd, INITRD, False))
         vm = await self._launch(config, run_dir, files)
@@ -151,6 +156,15 @@ class FirecrackerDriver(Driver):
                     "is_read_only": False,
                 }
             )
+            for i, drive in enumerate(config.drives):
+                await client.put_drive(
+                    {
+                        "drive_id": f"{DRIVE_ID}{i}",
+                        "path_on_host": f"{DRIVE_ID}{i}",
+                        "is_root_device": False,
+                        "is_read_only": drive.read_only,
+                    }
+                )
             if config.tap_device:
                 iface: NetworkInterface = {"iface_id": IFACE_ID, "host_dev_name": config.tap_device}
                 if config.guest_mac:
@@ -172,7 +186,9 @@ class FirecrackerDriver(Driver):
         _check_restorable(snapshot, config)
         state_file = snapshot.path / snapshot.files["state"]
         memory_file = snapshot.path / snapshot.files["memory"]
-        files = [(config.rootfs, ROOTFS, True)]
+        # Drives are found by the names the snapshot recorded: other files under those names
+        # put volumes in a restored VM's slots.
+        files = [(config.rootfs, ROOTFS, True), *_drive_files(config)]
         if self.jailer is not None:
             # Inside the jail Firecracker cannot see the snapshot directory.
             files += [(state_file, SNAPSHOT_STATE, False), (memory_file, SNAPSHOT_MEMORY, False)]
@@ -223,7 +239,8 @@ class FirecrackerDriver(Driver):
             ]
         else:
             argv = jailer_argv(jail, self.firecracker_args)
-        root = _VMMRoot(run_dir, jail, protect=[config.kernel, config.initrd, config.rootfs])
+        protect = [config.kernel, config.initrd, config.rootfs, *(d.path for d in config.drives)]
+        root = _VMMRoot(run_dir, jail, protect=protect)
         client: FirecrackerClient | None = None
         try:
             root.prepare()
@@ -757,3 +774,7 @@ def _exit_reason(code: int) -> str:
             name = "unknown signal"
         return f"VMM process killed by signal {-code} ({name})"
     return f"VMM process exited with code {code}"
+
+
+def _drive_files(config: VMConfig) -> list[tuple[Path, str, bool]]:
+    return [(d.path, f"{DRIVE_ID}{i}", not d.read_only) for i, d in enumerate(config.drives)]
