@@ -189,15 +189,19 @@ class World:
         net = await self.manager.create(sandbox_id, guest_veth_netns=guest_ns)
         n = ["ip", "-n", guest_ns]
         sh(*n, "link", "set", "lo", "up")
-        sh(*n, "link", "set", "eth0", "address", net.guest_mac)
-        sh(*n, "addr", "add", f"{net.guest_ip}/30", "dev", "eth0")
-        sh(*n, "addr", "add", "fd00:5ace::2/64", "dev", "eth0", "nodad")
-        sh(*n, "link", "set", "eth0", "up")
-        sh(*n, "route", "add", "default", "via", net.gateway_ip)
-        sh(*n, "-6", "route", "add", "default", "via", "fd00:5ace::1")
-        etc = Path("/etc/netns") / guest_ns  # `ip netns exec` mounts it over /etc
+        sh(*n, "link", "set", "eth0", "address", net.guest_mac)  # QEMU's -device mac=
+        etc = Path("/etc/netns") / guest_ns  # `ip netns exec` mounts its files over /etc's
         etc.mkdir(parents=True, exist_ok=True)
-        (etc / "resolv.conf").write_text(f"nameserver {net.gateway_ip}\n")
+        # The guest agent's own boot-time configuration, run in the "guest".
+        configure = (
+            "import sys; from pathlib import Path; from space.guest.system import "
+            "configure_network as c; sys.exit(0 if c('eth0', Path(sys.argv[1])) else 1)"
+        )
+        sh("ip", "netns", "exec", guest_ns, sys.executable, "-c", configure,
+           str(etc / "resolv.conf"))  # fmt: skip
+        # A guest's root can add IPv6 itself; give it a route so attempts leave the guest.
+        sh(*n, "addr", "add", "fd00:5ace::2/64", "dev", "eth0", "nodad")
+        sh(*n, "-6", "route", "add", "default", "via", "fd00:5ace::1")
         async with self.client() as gw:
             await gw.set_policy(sandbox_id, net.sandbox_ip, policy)
         guest = Guest(sandbox_id, guest_ns, net)

@@ -20,6 +20,13 @@ RNDRESEEDCRNG = 0x5207
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
+SIOCSIFADDR = 0x8916
+SIOCSIFNETMASK = 0x891C
+SIOCADDRT = 0x890B
+RTF_UP, RTF_GATEWAY = 0x1, 0x2
+# Every sandbox's guest has the same address behind the same gateway (its own network namespace
+# on the host), so snapshots restore anywhere; see space.worker.network.rules.
+GUEST_IP, GUEST_NETMASK, GATEWAY_IP = "10.0.2.2", "255.255.255.252", "10.0.2.1"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -47,6 +54,36 @@ def interface_up(name: str) -> None:
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", name.encode(), flags | IFF_UP))
 
 
+def _sockaddr(address: str) -> bytes:
+    return struct.pack("=H2s4s8x", socket.AF_INET, b"\0\0", socket.inet_aton(address))
+
+
+def configure_network(name: str = "eth0", resolv: Path = Path("/etc/resolv.conf")) -> bool:
+    """Give the NIC, if the VM has one, the fixed guest address, a default route through the
+    gateway and the gateway as resolver. False when there is no NIC."""
+    if not Path(f"/sys/class/net/{name}").exists():
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifname = name.encode().ljust(16, b"\0")
+        fcntl.ioctl(s, SIOCSIFADDR, ifname + _sockaddr(GUEST_IP))
+        fcntl.ioctl(s, SIOCSIFNETMASK, ifname + _sockaddr(GUEST_NETMASK))
+        interface_up(name)
+        dev = ctypes.create_string_buffer(name.encode())
+        # struct rtentry (x86-64): dst 0.0.0.0/0 via the gateway; the kernel reads 120 bytes.
+        route = struct.pack(
+            "@L16s16s16sHhLPhPLLH",
+            0, _sockaddr("0.0.0.0"), _sockaddr(GATEWAY_IP), _sockaddr("0.0.0.0"),
+            RTF_UP | RTF_GATEWAY, 0, 0, 0, 0, ctypes.addressof(dev), 0, 0, 0,
+        ).ljust(120, b"\0")  # fmt: skip
+        with contextlib.suppress(FileExistsError):  # kept from before a snapshot
+            fcntl.ioctl(s, SIOCADDRT, route)
+    with contextlib.suppress(OSError):
+        tmp = resolv.with_name(".resolv.conf.space")
+        tmp.write_text(f"nameserver {GATEWAY_IP}\n")
+        os.replace(tmp, resolv)
+    return True
+
+
 def init_system(args: dict[str, str]) -> None:
     """What a minimal init does before anything else runs."""
     os.environ.clear()
@@ -59,6 +96,10 @@ def init_system(args: dict[str, str]) -> None:
         interface_up("lo")
     except OSError as e:
         log(f"loopback: {e}")
+    try:
+        configure_network()
+    except OSError as e:
+        log(f"eth0: {e}")
 
 
 def add_entropy(seed: bytes) -> None:
