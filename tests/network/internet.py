@@ -87,6 +87,8 @@ async def http(
         if path == "/auth":
             ok = headers.get("authorization") == f"Bearer {world.secrets['bearer']}"
             text = "auth-ok" if ok else "auth-missing"
+        elif path == "/echo":  # a careless API that echoes credentials back
+            text = f"{headers.get('authorization')} {headers.get('x-api-key')}"
         elif path == "/header":
             text = (
                 "header-ok"

@@ -110,6 +110,32 @@ def test_origin_saw_real_secrets_never_the_placeholder(
     assert PLACEHOLDER not in world.internet_log.read_text()
 
 
+def test_secret_echoed_by_the_origin_is_masked(world: World) -> None:
+    """Technique: ask the bound host to echo the request's credentials back.
+    Mitigation: the gateway overwrites injected values in the response."""
+    fetch = (
+        "import socket, ssl, sys\n"
+        "ctx = ssl.create_default_context(cafile=sys.argv[1])\n"
+        "s = ctx.wrap_socket(socket.create_connection(('secret.test', 443)),"
+        " server_hostname='secret.test')\n"
+        "s.sendall(f'GET /echo HTTP/1.1\\r\\nHost: secret.test\\r\\n"
+        "Authorization: Bearer {sys.argv[2]}\\r\\n\\r\\n'.encode())\n"
+        "out = b''\n"
+        "while d := s.recv(65536): out += d\n"
+        "print(out.decode())\n"
+    )
+    proc = world.run_in_guest(
+        world.guests["a"],
+        [sys.executable, "-c", fetch, str(world.gateway_ca), PLACEHOLDER],
+        timeout=30,
+    )
+    assert "200 OK" in proc.stdout, proc.stderr
+    assert BEARER not in proc.stdout and HEADER_SECRET not in proc.stdout
+    assert "Bearer " + "*" * len(BEARER) in proc.stdout
+    echoed = [e for e in world.internet_events() if e.get("path") == "/echo"]
+    assert echoed and echoed[-1]["headers"]["accept-encoding"] == "identity"  # type: ignore[index]
+
+
 def test_upstream_dns_saw_only_allowed_names(
     world: World, redteam: dict[str, dict[str, Any]]
 ) -> None:

@@ -335,7 +335,11 @@ class Gateway:
             why = f"{method} request" + (f"; injected {', '.join(injected)}" if injected else "")
             self.audit.record(sandbox.id, kind, "allow", why, name, port, address)
             up_writer.write(head_text + body)
-            await _pipe(up_reader, writer)
+            values = [sec.value.encode() for sec in sandbox.policy.secrets if sec.name in injected]
+            if values:
+                await _pipe_masked(up_reader, writer, values)
+            else:
+                await _pipe(up_reader, writer)
             up_writer.close()
         finally:
             writer.close()
@@ -376,6 +380,31 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             await writer.drain()
         if writer.can_write_eof():
             writer.write_eof()
+    except (OSError, ConnectionError, ssl.SSLError):
+        pass
+
+
+async def _pipe_masked(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, values: list[bytes]
+) -> None:
+    """Relay a response, overwriting any injected secret the upstream echoes back with `*`s of
+    the same length (framing stays valid), so the guest never reads one."""
+    keep = max(len(v) for v in values) - 1  # a value may straddle two reads
+    pending = b""
+    try:
+        while True:
+            data = await reader.read(262144)
+            pending += data
+            for value in values:
+                pending = pending.replace(value, b"*" * len(value))
+            if not data:
+                writer.write(pending)
+                break
+            cut = max(0, len(pending) - keep)
+            writer.write(pending[:cut])
+            pending = pending[cut:]
+            await writer.drain()
+        await writer.drain()
     except (OSError, ConnectionError, ssl.SSLError):
         pass
 
@@ -498,5 +527,9 @@ def _apply_secrets(
         if key not in HOP_HEADERS and key not in replaced:
             out.append(line)
     out += [f"{k}: {v}" for k, v in extra]
+    if injected:
+        # Compressed, an echoed secret could not be found and masked in the response.
+        out = [ln for ln in out if ln.partition(":")[0].strip().lower() != "accept-encoding"]
+        out.append("Accept-Encoding: identity")
     out.append("Connection: close")
     return ("\r\n".join(out) + "\r\n\r\n").encode("latin-1"), injected
