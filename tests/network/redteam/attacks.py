@@ -12,6 +12,7 @@ would "hold" trivially). Exit status 0 when everything held.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import random
@@ -282,11 +283,14 @@ def metadata_address() -> None:
     "the host only accepts redirected traffic; without an allowed name it is refused",
 )
 def host_and_gateway_ports() -> None:
-    for address in [*CONFIG["host_ips"], CONFIG["gateway_ip"]]:
-        for port in [22, 80, 443, 2375, 8080, *CONFIG["gateway_ports"]]:
-            assert not ok(request(address, port, get(address))), (address, port)
-        for port in CONFIG["gateway_ports"]:
-            assert no_reply_udp(address, port), (address, port)
+    addresses = [*CONFIG["host_ips"], CONFIG["gateway_ip"]]
+    tcp = [(a, p) for a in addresses for p in [22, 80, 443, 2375, 8080, *CONFIG["gateway_ports"]]]
+    udp = [(a, p) for a in addresses for p in CONFIG["gateway_ports"]]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:  # dropped probes each wait
+        reached = list(pool.map(lambda t: ok(request(t[0], t[1], get(t[0]))), tcp))
+        answered = list(pool.map(lambda t: not no_reply_udp(*t), udp))
+    assert not any(reached), [t for t, r in zip(tcp, reached, strict=True) if r]
+    assert not any(answered), [t for t, r in zip(udp, answered, strict=True) if r]
 
 
 @attack(
