@@ -42,8 +42,10 @@ pytestmark = pytest.mark.vm
 HELLO = '#!/bin/sh\necho "hello $1 from $GREETING in $(pwd)"\n'
 
 
-def build_vmm_pids() -> set[int]:
-    """QEMU processes of build VMs (their names are space-build-*)."""
+def build_vmm_pids(under: Path) -> set[int]:
+    """QEMU processes of build VMs (named space-build-*) whose run directory is under `under`.
+
+    Scoped to the test's own build root: other builds may run on this host meanwhile."""
     pids = set()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -51,7 +53,8 @@ def build_vmm_pids() -> set[int]:
                 cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if cmdline.startswith(b"qemu-system") and b"\0-name\0space-build-" in cmdline:
+            ours = cmdline.startswith(b"qemu-system") and b"\0-name\0space-build-" in cmdline
+            if ours and f"{under}/".encode() in cmdline:
                 pids.add(int(proc.name))
     return pids
 
@@ -217,7 +220,7 @@ run = "echo partial > /partial; echo about to fail; exit 3"
     assert not [n for n in after if n.startswith(".tmp")]
     assert len(set(after) - set(before)) <= 1
     assert not (env.templates / "broken").exists() or not list((env.templates / "broken").iterdir())
-    assert build_vmm_pids() == set()
+    assert build_vmm_pids(env.build_vms) == set()
     assert list(env.build_vms.iterdir()) == []
 
 
@@ -238,11 +241,11 @@ run = "echo started; sleep 120"
     async for line in log.follow():
         if line == "  | started":
             break
-    assert build_vmm_pids(), "the build VM should be running now"
+    assert build_vmm_pids(env.build_vms), "the build VM should be running now"
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert build_vmm_pids() == set()
+    assert build_vmm_pids(env.build_vms) == set()
     assert list(env.build_vms.iterdir()) == []
     assert not [p for p in env.cache.iterdir() if p.name.startswith(".tmp")]
     assert not (env.templates / "cancelled").exists()
@@ -260,15 +263,15 @@ async def test_vms_of_dead_builds_are_reaped(
         vms_dir=env.build_vms,
     )  # fmt: skip
     await m.detach()
-    assert build_vmm_pids()
+    assert build_vmm_pids(env.build_vms)
     spec = parse_spec(f'[template]\nname = "x"\nfrom = "oci://{registry.host}/space/none:1"\n'
                       "insecure = true\n", Path("/"))  # fmt: skip
     with pytest.raises(ImageNotFound):
         await build_template(spec, env, print)
     deadline = time.monotonic() + 10
-    while build_vmm_pids() and time.monotonic() < deadline:  # noqa: ASYNC110 - SIGKILL takes a moment
+    while build_vmm_pids(env.build_vms) and time.monotonic() < deadline:  # noqa: ASYNC110 - SIGKILL takes a moment
         await asyncio.sleep(0.1)
-    assert build_vmm_pids() == set()
+    assert build_vmm_pids(env.build_vms) == set()
     assert list(env.build_vms.iterdir()) == []
 
 
