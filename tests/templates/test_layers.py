@@ -254,3 +254,19 @@ def test_index_platform_choice() -> None:
     assert oci.choose_platform(idx).digest == digest(amd)
     with pytest.raises(oci.ImageError, match=r"offers: linux/amd64, linux/arm64"):
         oci.choose_platform(idx, arch="s390x")
+
+
+def test_xattrs_from_pax_headers(root: Path) -> None:
+    """File capabilities (security.capability) and the like travel as SCHILY.xattr.* headers."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        info = tarfile.TarInfo("usr/bin/ping")
+        info.size, info.mode = 3, 0o755
+        info.pax_headers = {"SCHILY.xattr.user.space-test": "kept"}
+        tf.addfile(info, io.BytesIO(b"elf"))
+    oci.apply_layer(root, io.BytesIO(buf.getvalue()), what="xattrs")
+    try:
+        value = os.getxattr(root / "usr/bin/ping", "user.space-test")
+    except OSError as e:
+        pytest.skip(f"this file system keeps no user xattrs: {e}")
+    assert value == b"kept"
