@@ -255,6 +255,11 @@ def dns_exfiltration() -> None:
 
 @attack("IPv6 egress (TCP, UDP, to the gateway and beyond)", "all IPv6 from the guest is dropped")
 def ipv6_egress() -> None:
+    # A guest's root gives itself IPv6 (the agent configures none), so packets really leave.
+    iface = CONFIG["interface"]
+    for argv in (["addr", "add", "fd00:5ace::2/64", "dev", iface, "nodad"],
+                 ["route", "add", "default", "via", "fd00:5ace::1", "dev", iface]):  # fmt: skip
+        subprocess.run(["ip", "-6", *argv], capture_output=True, check=False)  # may exist
     for address, port in (("2001:db8::10", 80), ("fd00:5ace::1", 53), ("fd00:5ace::1", 80)):
         with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
             s.settimeout(TIMEOUT)

@@ -1,0 +1,101 @@
+"""The red-team suite from inside a real microVM (QEMU/TCG) on a sandbox network: the tap, the
+guest kernel's virtio-net and the agent's own eth0 set-up, instead of a namespace standing in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from space.worker.agent_client import AgentClient
+from space.worker.local import LocalRuntime, local_runtime
+from space.worker.machine import DISK, new_token, new_vm_id
+from space.worker.network import SandboxNetwork
+from space.worker.network import netns as nsutil
+from space.worker.storage.reflink import clone_file
+from space.worker.vmm.base import VMConfig
+from tests.network.test_gateway import ATTACKS, PLACEHOLDER, policy_a, policy_b
+from tests.network.world import Guest, World, guest_config
+
+pytestmark = pytest.mark.vm
+
+
+async def _run_in_vm(
+    runtime: LocalRuntime, net: SandboxNetwork, files: dict[str, bytes]
+) -> tuple[list[dict[str, Any]], str]:
+    """Boot a VM on the sandbox's tap, run the suite in it, return its results and output.
+
+    Runs on a thread inside the sandbox's namespace, so QEMU (spawned from it) opens the tap
+    there with `ifname=`; the worker will hand QEMU an fd instead (see docs/network.md)."""
+    vm_id = new_vm_id()
+    run_dir = runtime.pool.vms / vm_id
+    run_dir.mkdir(parents=True)
+    try:
+        clone_file(runtime.images.rootfs, run_dir / DISK)
+        token = new_token()
+        config = VMConfig(
+            vm_id=vm_id, kernel=runtime.images.kernel, initrd=runtime.images.initrd,
+            rootfs=run_dir / DISK, memory_mib=512, hostname="redteam", agent_token=token,
+            tap_device=net.tap, guest_mac=net.guest_mac,
+        )  # fmt: skip
+        vm = await runtime.driver.boot(config, run_dir)
+        try:
+            agent = await AgentClient.connect(vm.open_agent_stream, token, 180)
+            try:
+                for path, data in files.items():
+                    await agent.write_file(path, data)
+                result = await agent.run(
+                    ["python3", "/root/attacks.py", "--json", "/root/out.json"],
+                    env={"SPACE_REDTEAM_CONFIG": "/root/config.json",
+                         "SPACE_SECRET_BEARER": PLACEHOLDER},
+                    timeout=900,
+                )  # fmt: skip
+                output = (result.stdout + result.stderr).decode(errors="replace")
+                try:
+                    raw = await agent.read_file("/root/out.json")
+                except Exception:
+                    return [], output
+                return json.loads(raw), output
+            finally:
+                await agent.close()
+        finally:
+            await vm.close()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_redteam_suite_from_inside_a_real_vm(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("needs root (namespaces, QEMU)")
+    runtime = await local_runtime()
+    world = World(tmp_path / "world")
+    try:
+        await world.start()
+        other = await world.add_guest("b", policy_b())
+        net = await world.manager.create("vm")
+        async with world.client() as gw:
+            await gw.set_policy("vm", net.sandbox_ip, policy_a())
+        assert world.origin_ca is not None
+        config = guest_config(world, Guest("vm", "", net), [other], PLACEHOLDER)
+        config.update(origin_ca="/root/origin-ca.pem", gateway_ca="/root/gateway-ca.pem")
+        files = {
+            "/root/attacks.py": ATTACKS.read_bytes(),
+            "/root/config.json": json.dumps(config).encode(),
+            "/root/origin-ca.pem": world.origin_ca.read_bytes(),
+            "/root/gateway-ca.pem": world.gateway_ca.read_bytes(),
+        }
+        results, output = await asyncio.to_thread(
+            nsutil.run_in, net.netns, lambda: asyncio.run(_run_in_vm(runtime, net, files))
+        )
+        (tmp_path / "vm-redteam.json").write_text(json.dumps(results, indent=1))
+    finally:
+        await world.stop()
+    assert results, output
+    failed = [r for r in results if r["outcome"] not in ("held", "works")]
+    assert not failed, "\n".join(f"{r['name']}: {r['outcome']} {r['detail']}" for r in failed)
+    assert {r["name"] for r in results} >= {"allowed_https_passthrough_works", "ip_spoofing"}
