@@ -27,6 +27,7 @@ from tests.network.redteam import attacks
 from tests.network.world import (
     BEARER,
     HEADER_SECRET,
+    MAX_CONNECTIONS,
     NET_CONFIG,
     ZONE,
     World,
@@ -134,6 +135,30 @@ def test_secret_echoed_by_the_origin_is_masked(world: World) -> None:
     assert "Bearer " + "*" * len(BEARER) in proc.stdout
     echoed = [e for e in world.internet_events() if e.get("path") == "/echo"]
     assert echoed and echoed[-1]["headers"]["accept-encoding"] == "identity"  # type: ignore[index]
+
+
+def test_a_sandbox_cannot_exhaust_the_gateway(world: World) -> None:
+    """Technique: hold many idle connections open. Mitigation: a per-sandbox limit; past it new
+    connections are refused, and the sandbox recovers once it lets go."""
+    script = (
+        "import socket, sys, time\n"
+        "def get():\n"
+        "    s = socket.create_connection((sys.argv[2], 80), timeout=3)\n"
+        "    s.sendall(b'GET / HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n')\n"
+        "    return s.recv(100).startswith(b'HTTP/1.1 200')\n"
+        "idle = [socket.create_connection((sys.argv[2], 80)) for _ in range(int(sys.argv[1]))]\n"
+        "time.sleep(0.5)\n"
+        "print('over limit', get())\n"
+        "for s in idle: s.close()\n"
+        "time.sleep(0.5)\n"
+        "print('after', get())\n"
+    )
+    proc = world.run_in_guest(
+        world.guests["b"],
+        [sys.executable, "-c", script, str(MAX_CONNECTIONS), ZONE["other.test"]],
+        timeout=60,
+    )
+    assert "over limit False" in proc.stdout and "after True" in proc.stdout, proc.stderr
 
 
 def test_upstream_dns_saw_only_allowed_names(

@@ -57,6 +57,7 @@ NET_CONFIG = NetworkConfig(
     proxy_port=25001,
     dns_port=25053,
 )
+MAX_CONNECTIONS = 64  # per sandbox, low so a test can reach it
 BEARER = "real-bearer-" + secrets.token_hex(8)
 HEADER_SECRET = "real-header-" + secrets.token_hex(8)
 
@@ -169,7 +170,8 @@ class World:
                 "--control-socket", str(self.control_socket),
                 "--upstream-dns", DNS_IP, "--upstream-ca", str(self.origin_ca),
                 "--proxy-port", str(NET_CONFIG.proxy_port),
-                "--dns-port", str(NET_CONFIG.dns_port)]  # fmt: skip
+                "--dns-port", str(NET_CONFIG.dns_port),
+                "--max-connections", str(MAX_CONNECTIONS)]  # fmt: skip
         self._spawn(argv, "gateway.log", self.control_socket)
 
     def _spawn(self, argv: list[str], log: str, ready: Path) -> None:

@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--listen", default="0.0.0.0")
     p.add_argument("--proxy-port", type=int, default=15001)
     p.add_argument("--dns-port", type=int, default=15053)
+    p.add_argument("--max-connections", type=int, default=512, help="per sandbox")
     return p.parse_args(argv)
 
 
@@ -39,6 +40,7 @@ async def run(args: argparse.Namespace) -> None:
             proxy_port=args.proxy_port,
             dns_port=args.dns_port,
             upstream_ca_file=args.upstream_ca,
+            max_connections=args.max_connections,
         )
     )
     await gateway.start()

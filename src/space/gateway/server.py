@@ -42,6 +42,7 @@ class GatewayConfig:
     upstream_ca_file: Path | None = None  # trust for upstream TLS; None: the system's
     connect_timeout: float = 10.0
     peek_timeout: float = 5.0  # how long to wait for a ClientHello or request head
+    max_connections: int = 512  # open TCP connections per sandbox; more are refused
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Sandbox:
     id: str
     address: str
     policy: Policy = field(default_factory=Policy)
+    connections: int = 0
 
 
 class Denied(Exception):
@@ -82,7 +84,10 @@ class Gateway:
         owner = self._by_address.get(spec.address)
         if owner is not None and owner != sandbox_id:
             self.remove(owner)  # an address is reused only after its sandbox is gone
-        self.sandboxes[sandbox_id] = Sandbox(sandbox_id, spec.address, spec.policy)
+        if old is not None and old.address == spec.address:
+            old.policy = spec.policy  # open connections keep counting against the same limit
+        else:
+            self.sandboxes[sandbox_id] = Sandbox(sandbox_id, spec.address, spec.policy)
         self._by_address[spec.address] = sandbox_id
         self.audit.record(sandbox_id, "policy", "allow", "policy set", address=spec.address)
 
@@ -155,7 +160,16 @@ class Gateway:
                 return
             port = struct.unpack("!H", raw[2:4])[0]
             dst = ipaddress.ip_address(socket.inet_ntoa(raw[4:8]))
-            await self._serve(sandbox, conn, dst, port)
+            if sandbox.connections >= self.config.max_connections:
+                # One sandbox must not exhaust the gateway's descriptors for all the others.
+                reason = f"more than {self.config.max_connections} open connections"
+                self.audit.record(sandbox.id, "tcp", "deny", reason, port=port, address=str(dst))
+                return
+            sandbox.connections += 1
+            try:
+                await self._serve(sandbox, conn, dst, port)
+            finally:
+                sandbox.connections -= 1
         except Exception as e:  # one connection's failure must never stop the gateway
             self.audit.record(None, "tcp", "deny", f"internal error: {type(e).__name__}: {e}")
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
 import ipaddress
 import os
@@ -15,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 _DAY = datetime.timedelta(days=1)
+MAX_LEAVES = 4096
 
 
 def _name(common: str) -> x509.Name:
@@ -80,7 +82,7 @@ class CertificateAuthority:
         self._key = key
         self._leaf_dir = directory / "leaves"
         self._leaf_dir.mkdir(mode=0o700, exist_ok=True)
-        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._contexts: collections.OrderedDict[str, ssl.SSLContext] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -92,6 +94,9 @@ class CertificateAuthority:
             ctx = self._contexts.get(name)
             if ctx is None:
                 ctx = self._contexts[name] = self._mint(name)
+                if len(self._contexts) > MAX_LEAVES:  # bounded even under an allow-all policy
+                    self._contexts.popitem(last=False)
+            self._contexts.move_to_end(name)
             return ctx
 
     def _mint(self, name: str) -> ssl.SSLContext:
