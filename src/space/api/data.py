@@ -45,7 +45,7 @@ class _RelayResponse(StreamingResponse):
             await self._stack.aclose()
 
 
-async def _relay(
+async def relay(
     svc: Services, method: str, url: str, media_type: str, **kw: Any
 ) -> StreamingResponse:
     """Open the worker's stream first (so its errors become ours), then pass the body on."""
@@ -63,7 +63,7 @@ async def exec_stream(
         raise APIError(400, "a PTY needs the interactive WebSocket: /exec/ws")
     url = await _target(svc, caller.id, sandbox_id)
     req = body.model_dump(exclude_none=True, exclude={"pty", "rows", "cols"})
-    return await _relay(svc, "POST", f"{url}/exec", "application/x-ndjson", json=req)
+    return await relay(svc, "POST", f"{url}/exec", "application/x-ndjson", json=req)
 
 
 @router.websocket("/exec/ws")
@@ -128,7 +128,7 @@ async def _pump_ws(client: WebSocket, up: AsyncWebSocketSession) -> None:
 @router.get("/files", response_class=StreamingResponse)
 async def download(sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller) -> StreamingResponse:
     url = await _target(svc, caller.id, sandbox_id)
-    return await _relay(svc, "GET", f"{url}/files", "application/octet-stream",
+    return await relay(svc, "GET", f"{url}/files", "application/octet-stream",
                         params={"path": path})  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from space.db.store import Conflict, NotFound, VolumeUnavailable
+from space.db.store import Conflict, NotFound, Refused
 from space.problem import problem
 from space.worker.client import WorkerError
 
@@ -45,8 +45,8 @@ def install(app: FastAPI) -> None:
     async def conflict(_: Request, e: Conflict) -> JSONResponse:
         return problem(409, str(e), state=e.state)
 
-    @app.exception_handler(VolumeUnavailable)
-    async def volume_unavailable(_: Request, e: VolumeUnavailable) -> JSONResponse:
+    @app.exception_handler(Refused)
+    async def refused(_: Request, e: Refused) -> JSONResponse:
         return problem(e.status, str(e))
 
     @app.exception_handler(WorkerError)

@@ -129,9 +129,36 @@ class Pool(PoolSettings):
     starting: int = Field(description="members on their way")
 
 
+class Built(BaseModel):
+    """What the last successful build made."""
+
+    digest: str
+    source: str
+    size_bytes: int
+    env: dict[str, str]
+    workdir: str | None
+    user: str | None
+    entrypoint: list[str]
+    cmd: list[str]
+    start: str | None
+    ready: str | None
+    steps: list[str]
+    built_at: str
+    build_seconds: float
+
+
 class Template(BaseModel):
     id: str
+    state: Literal["building", "ready", "failed", "deleting"] = Field(
+        description="of the last build; a failed or running rebuild leaves the last good "
+        "build in use"
+    )
+    error: str | None = Field(description="why the last build failed")
+    build_id: str | None
+    worker_id: str | None = Field(description="where it was built; null: on every worker")
+    built: Built | None
     created_at: datetime
+    updated_at: datetime
     pool: Pool = Field(description="creates of exactly this shape are served from the pool")
 
     @classmethod
@@ -141,7 +168,34 @@ class Template(BaseModel):
             disk_mib=row["pool_disk_mib"], ready=row["pool_ready"],
             starting=row["pool_starting"],
         )  # fmt: skip
-        return cls(id=row["id"], created_at=row["created_at"], pool=pool)
+        record = row["record"]
+        built = Built.model_validate({k: record[k] for k in Built.model_fields}) if record else None
+        return cls(
+            id=row["id"], state=row["state"], error=row["error"], build_id=row["build_id"],
+            worker_id=row["worker_id"], built=built, created_at=row["created_at"],
+            updated_at=row["updated_at"], pool=pool,
+        )  # fmt: skip
+
+
+TEMPLATE_ID = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+
+
+class BuildRequest(Strict):
+    spec: str = Field(min_length=1, max_length=1 << 20, description="the space.toml text")
+    context: str = Field(
+        "", max_length=96 << 20, description="base64 of a tar (optionally compressed) holding "
+        "the files the spec's copy steps name, relative to the spec's directory",
+    )  # fmt: skip
+    environ: dict[str, str] = Field(
+        default_factory=dict,
+        description="values of the environment variables the spec names for registry "
+        "credentials (used for this build only, never stored)",
+    )
+
+    @field_validator("environ")
+    @classmethod
+    def env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        return _check_env(env)
 
 
 class TemplateList(BaseModel):

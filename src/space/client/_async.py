@@ -7,7 +7,15 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
 import httpx
@@ -81,6 +89,29 @@ class AsyncSpace:
     async def delete_volume(self, volume_id: str) -> VolumeInfo:
         """Deletes its data; refused while a sandbox that is not deleted has it."""
         return await self._call(calls.delete_volume(volume_id))
+
+    async def template(self, name: str) -> TemplateInfo:
+        return await self._call(calls.template(name))
+
+    async def build_template(
+        self, name: str, spec: str | Path, environ: Mapping[str, str] | None = None
+    ) -> TemplateInfo:
+        """Start building `name` from a space.toml (admin keys only); `environ` gives the values
+        of the variables it names for registry credentials. Follow it with `build_log`."""
+        return await self._call(calls.build_template(name, Path(spec), environ or {}))
+
+    async def build_log(self, name: str) -> AsyncIterator[str]:
+        """The lines of the template's last build log, as they come, until the build ends."""
+        buf = b""
+        async for chunk in self._stream(calls.build_log(name)):
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                yield line.decode(errors="replace")
+
+    async def delete_template(self, name: str) -> TemplateInfo:
+        """Refused while a sandbox uses it (admin keys only)."""
+        return await self._call(calls.delete_template(name))
 
     async def templates(self) -> list[TemplateInfo]:
         """Every template, with the state of its warm pool."""

@@ -9,8 +9,11 @@ and the part of a sandbox handle that does no I/O.
 from __future__ import annotations
 
 import base64
+import io
+import tarfile
 from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, runtime_checkable
 from urllib.parse import quote
 
@@ -245,13 +248,40 @@ def templates() -> Call[list[TemplateInfo]]:
     )
 
 
+def template(name: str) -> Call[TemplateInfo]:
+    return Call("GET", _template(name), _json(TemplateInfo.from_json))
+
+
+def build_template(name: str, spec: Path, environ: Mapping[str, str]) -> Call[TemplateInfo]:
+    """Build `name` from a space.toml; its directory (the files copy steps bring in) goes along
+    as the build context."""
+    context = io.BytesIO()
+    with tarfile.open(fileobj=context, mode="w:gz") as tf:
+        tf.add(spec.parent, arcname=".")
+    body = {"spec": spec.read_text(), "environ": dict(environ),
+            "context": base64.b64encode(context.getvalue()).decode()}  # fmt: skip
+    return Call("POST", _template(name, "/builds"), _json(TemplateInfo.from_json), body=body)
+
+
+def build_log(name: str) -> Call[None]:
+    return Call("GET", _template(name, "/build/log"), _nothing, unbounded=True)
+
+
+def delete_template(name: str) -> Call[TemplateInfo]:
+    return Call("DELETE", _template(name), _json(TemplateInfo.from_json))
+
+
+def _template(name: str, tail: str = "") -> str:
+    return f"{TEMPLATES}/{quote(name, safe='')}{tail}"
+
+
 def set_pool(
     template: str, size: int, vcpus: int | None, memory_mib: int | None, disk_mib: int | None
 ) -> Call[TemplateInfo]:
     shape = {"vcpus": vcpus, "memory_mib": memory_mib, "disk_mib": disk_mib}
     return Call(
         "PUT",
-        f"{TEMPLATES}/{quote(template, safe='')}/pool",
+        _template(template, "/pool"),
         _json(TemplateInfo.from_json),
         body={"size": size, **{k: v for k, v in shape.items() if v is not None}},
     )

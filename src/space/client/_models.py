@@ -81,6 +81,9 @@ class PoolInfo:
 @dataclass(frozen=True)
 class TemplateInfo:
     id: str
+    state: str  # of its last build: building, ready, failed (or deleting)
+    error: str | None  # why the last build failed
+    built: dict[str, Any] | None  # what the last good build made: digest, env, command, steps…
     created_at: datetime
     pool: PoolInfo
 
@@ -89,7 +92,9 @@ class TemplateInfo:
         p = data["pool"]
         pool = PoolInfo(int(p["size"]), int(p["vcpus"]), int(p["memory_mib"]),
                         int(p["disk_mib"]), int(p["ready"]), int(p["starting"]))  # fmt: skip
-        return cls(id=data["id"], created_at=_time(data["created_at"]), pool=pool)
+        return cls(id=data["id"], state=data["state"], error=data.get("error"),
+                   built=data.get("built"), created_at=_time(data["created_at"]),
+                   pool=pool)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
 import httpx
@@ -80,6 +81,28 @@ class Space:
     def delete_volume(self, volume_id: str) -> VolumeInfo:
         """Deletes its data; refused while a sandbox that is not deleted has it."""
         return self._call(calls.delete_volume(volume_id))
+
+    def template(self, name: str) -> TemplateInfo:
+        return self._call(calls.template(name))
+
+    def build_template(
+        self, name: str, spec: str | Path, environ: Mapping[str, str] | None = None
+    ) -> TemplateInfo:
+        """Start building `name` from a space.toml (admin keys only); `environ` gives the values
+        of the variables it names for registry credentials. Follow it with `build_log`."""
+        return self._call(calls.build_template(name, Path(spec), environ or {}))
+
+    def build_log(self, name: str) -> Iterator[str]:
+        """The lines of the template's last build log, as they come, until the build ends."""
+        buf = b""
+        for chunk in self._stream(calls.build_log(name)):
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            yield from (line.decode(errors="replace") for line in lines)
+
+    def delete_template(self, name: str) -> TemplateInfo:
+        """Refused while a sandbox uses it (admin keys only)."""
+        return self._call(calls.delete_template(name))
 
     def templates(self) -> list[TemplateInfo]:
         """Every template, with the state of its warm pool."""

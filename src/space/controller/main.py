@@ -71,6 +71,9 @@ async def run(database_url: str, worker_secret: str) -> None:
                 asyncio.ensure_future(
                     upkeep.every(1.0, "volumes", partial(upkeep.delete_volumes, store, workers))
                 ),
+                asyncio.ensure_future(
+                    upkeep.every(0.5, "templates", partial(upkeep.template_builds, store, workers))
+                ),
             ]
             lost = asyncio.ensure_future(leadership.lost())
             await asyncio.wait([lost, *loops], return_when=asyncio.FIRST_COMPLETED)

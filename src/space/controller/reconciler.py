@@ -116,11 +116,15 @@ class Reconciler:
             load = await self.store.worker_load()
             volumes = await self.store.sandbox_volumes(row)
             homes = {v["worker_id"] for v in volumes if v["worker_id"]}
+            template = await self.store.templates(row["template"])
+            if template and template[0]["worker_id"]:
+                homes.add(template[0]["worker_id"])  # built there, and only there
             if len(homes) > 1:
-                why = f"its volumes live on different workers ({', '.join(sorted(homes))})"
+                where = ", ".join(sorted(homes))
+                why = f"its template and volumes live on different workers ({where})"
                 await self.store.transition(row["id"], ["pending"], "error", reason=why)
                 return False
-            if homes:  # a volume's image is on one host: the sandbox must go there
+            if homes:  # its template's or volumes' images are on one host: it must go there
                 workers = [w for w in workers if w["id"] in homes]
             worker_id = pick_worker(workers, load, row["vcpus"], row["memory_mib"])
             if worker_id is None and row["pool"]:

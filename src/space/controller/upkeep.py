@@ -115,6 +115,39 @@ async def delete_volumes(store: Store, workers: WorkerClient) -> None:
         await store.volume_deleted(vol["id"])
 
 
+async def template_builds(store: Store, workers: WorkerClient) -> None:
+    """Builds under way are asked how they did; deleted templates leave their worker once no
+    sandbox of them is left."""
+    for tpl in await store.templates_in("building"):
+        worker = await store.worker(tpl["worker_id"])
+        if worker is None or worker["state"] != "active":
+            lost = f"worker {tpl['worker_id']} was lost during the build"
+            await store.finish_build(tpl["id"], tpl["build_id"], None, lost)
+            continue
+        try:
+            status = await workers.call("GET", f"{worker['url']}/builds/{tpl['build_id']}")
+        except WorkerError as e:
+            if e.status == 404:  # the worker restarted: the build died with it
+                lost = "the build was lost when its worker restarted"
+                await store.finish_build(tpl["id"], tpl["build_id"], None, lost)
+            continue
+        if status["state"] != "building":
+            await store.finish_build(tpl["id"], tpl["build_id"], status["record"], status["error"])
+    for tpl in await store.templates_in("deleting"):
+        if await store.template_users(tpl["id"]):
+            continue  # its pool members are still being deleted
+        worker = await store.worker(tpl["worker_id"]) if tpl["worker_id"] else None
+        if worker is not None:
+            if worker["state"] != "active":
+                continue
+            try:
+                await workers.call("DELETE", f"{worker['url']}/templates/{tpl['id']}")
+            except WorkerError as e:
+                log.info("template %s not removed yet: %s", tpl["id"], e)
+                continue
+        await store.forget_template(tpl["id"])
+
+
 async def every(seconds: float, name: str, fn: Callable[[], Awaitable[None]]) -> None:
     """Run `fn()` forever, `seconds` apart; an error is logged, not fatal."""
     while True:

@@ -44,8 +44,9 @@ class Conflict(Exception):
         self.state = state
 
 
-class VolumeUnavailable(Exception):
-    """A volume that cannot be attached, or deleted, as asked; `status` is the HTTP answer."""
+class Refused(Exception):
+    """A request about volumes or templates that cannot be done as asked; `status` is the HTTP
+    answer, the message says why."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -153,9 +154,98 @@ class Store:
             await c.execute(pg_insert(t.templates).values(id=template_id).on_conflict_do_nothing())
 
     async def template_exists(self, template_id: str) -> bool:
+        """Whether sandboxes can be made of it: `base`, or a template built at least once
+        (a rebuild under way leaves the last build usable) and not being deleted."""
+        tp = t.templates.c
+        q = sa.select(tp.id).where(
+            tp.id == template_id,
+            tp.state != "deleting",
+            sa.or_(tp.record.is_not(None), tp.worker_id.is_(None)),
+        )
         async with self.engine.connect() as c:
-            q = sa.select(t.templates.c.id).where(t.templates.c.id == template_id)
             return (await c.execute(q)).first() is not None
+
+    async def begin_build(self, template_id: str, worker_id: str, build_id: str) -> Row:
+        """Record a build under way (the template's row is made by its first build)."""
+        values = {"state": "building", "worker_id": worker_id, "build_id": build_id,
+                  "error": None, "updated_at": sa.func.now()}  # fmt: skip
+        async with self.engine.begin() as c:
+            q = (
+                pg_insert(t.templates)
+                .values(id=template_id, **values)
+                .on_conflict_do_update(index_elements=[t.templates.c.id], set_=values)
+                .returning(*t.templates.c)
+            )
+            return (await c.execute(q)).mappings().one()
+
+    async def finish_build(
+        self, template_id: str, build_id: str, record: dict[str, Any] | None, error: str | None
+    ) -> None:
+        """A build ended: with its template's record, or with what went wrong (the last good
+        build, if any, stays in use)."""
+        tp = t.templates.c
+        values: dict[str, Any] = {"state": "failed" if error else "ready", "error": error,
+                                  "updated_at": sa.func.now()}  # fmt: skip
+        if record is not None:
+            values["record"] = record
+        async with self.engine.begin() as c:
+            await c.execute(
+                t.templates.update()
+                .where(tp.id == template_id, tp.build_id == build_id, tp.state == "building")
+                .values(**values)
+            )
+
+    async def templates_in(self, state: str) -> list[Row]:
+        q = sa.select(t.templates).where(t.templates.c.state == state)
+        async with self.engine.connect() as c:
+            return list((await c.execute(q)).mappings())
+
+    async def delete_template(self, template_id: str) -> Row:
+        """Ask for a template's deletion: refused while a tenant's sandbox uses it; its pool
+        is let go. The controller removes it from its worker once no sandbox needs it."""
+        tp, s = t.templates.c, t.sandboxes.c
+        async with self.engine.begin() as c:
+            row = (
+                (
+                    await c.execute(
+                        sa.select(t.templates).where(tp.id == template_id).with_for_update()
+                    )
+                )
+                .mappings()
+                .first()
+            )
+            if row is None or row["state"] == "deleting":
+                raise Refused(404, f"no template {template_id}")
+            if row["worker_id"] is None:
+                raise Refused(409, f"{template_id} is the platform's own template: it stays")
+            users = await c.execute(
+                sa.select(s.id)
+                .where(s.template == template_id, s.state != "deleted", sa.not_(s.pool))
+                .order_by(s.id)
+                .limit(20)
+            )
+            ids = [r.id for r in users]
+            if ids:
+                raise Refused(409, f"template {template_id} is used by {', '.join(ids)}")
+            await self._drop_members(c, [s.template == template_id], "the template is deleted")
+            q = (
+                t.templates.update()
+                .where(tp.id == template_id)
+                .values(state="deleting", pool_size=0, updated_at=sa.func.now())
+                .returning(*t.templates.c)
+            )
+            return (await c.execute(q)).mappings().one()
+
+    async def template_users(self, template_id: str) -> int:
+        """Sandboxes (pool members included) of the template that are not deleted yet."""
+        s = t.sandboxes.c
+        q = sa.select(sa.func.count()).where(s.template == template_id, s.state != "deleted")
+        async with self.engine.connect() as c:
+            return int((await c.execute(q)).scalar_one())
+
+    async def forget_template(self, template_id: str) -> None:
+        async with self.engine.begin() as c:
+            await c.execute(t.templates.delete().where(t.templates.c.id == template_id))
 
     async def templates(self, template_id: str | None = None) -> list[Row]:
         """Templates with how many pool members each has ready and on the way."""
@@ -378,7 +468,7 @@ class Store:
         async with self.engine.connect() as c:
             row = (await c.execute(q)).mappings().first()
         if row is None:
-            raise VolumeUnavailable(404, f"no volume {volume_id}")
+            raise Refused(404, f"no volume {volume_id}")
         return row
 
     async def delete_volume(self, tenant_id: str, volume_id: str) -> Row:
@@ -397,11 +487,11 @@ class Store:
                 .first()
             )
             if row is None:
-                raise VolumeUnavailable(404, f"no volume {volume_id}")
+                raise Refused(404, f"no volume {volume_id}")
             users = await _attachments(c, volume_id)
             if users:
                 names = ", ".join(sorted(u["id"] for u in users))
-                raise VolumeUnavailable(409, f"volume {volume_id} is attached to {names}")
+                raise Refused(409, f"volume {volume_id} is attached to {names}")
             state = "deleting" if row["worker_id"] else "deleted"
             q = t.volumes.update().where(v.id == volume_id).values(state=state)
             return (await c.execute(q.returning(*t.volumes.c))).mappings().one()
@@ -458,16 +548,16 @@ class Store:
         for a in attachments:
             vid = a["volume"]
             if vid not in found:
-                raise VolumeUnavailable(404, f"no volume {vid}")
+                raise Refused(404, f"no volume {vid}")
             users = await _attachments(c, vid)
             writers = [u["id"] for u in users if not u["read_only"]]
             if writers:
-                raise VolumeUnavailable(
+                raise Refused(
                     409, f"volume {vid} is attached read-write to {', '.join(writers)}"
                 )
             if users and not a.get("read_only"):
                 names = ", ".join(u["id"] for u in users)
-                raise VolumeUnavailable(
+                raise Refused(
                     409, f"volume {vid} is attached read-only to {names}: no writer meanwhile"
                 )
 

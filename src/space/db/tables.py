@@ -40,6 +40,13 @@ templates = sa.Table(
     sa.Column("pool_vcpus", sa.Integer, nullable=False, server_default="1"),
     sa.Column("pool_memory_mib", sa.Integer, nullable=False, server_default="256"),
     sa.Column("pool_disk_mib", sa.Integer, nullable=False, server_default="1024"),
+    # Built templates: ready once their worker has built them (`base` is on every worker).
+    sa.Column("state", sa.Text, nullable=False, server_default="ready"),  # building|ready|failed
+    sa.Column("worker_id", sa.Text, sa.ForeignKey("workers.id")),
+    sa.Column("build_id", sa.Text),
+    sa.Column("error", sa.Text),
+    sa.Column("record", JSONB),  # the worker's template.json: digest, env, workdir, start, …
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )
 
 workers = sa.Table(

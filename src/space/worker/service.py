@@ -39,12 +39,14 @@ from space.worker.agent_client import (
     ExecProcess,
     ExecResult,
 )
+from space.worker.builds import Build, BuildRefused, Builds
 from space.worker.vmm.base import VMMError
 from space.worker.vms import (
     VOLUME_ID,
     VOLUME_SLOTS,
     InvalidArgument,
     NoRoom,
+    TemplateInUse,
     TemplateNotFound,
     VMManager,
     VMManagerError,
@@ -61,6 +63,7 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 HOSTNAME = r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,62})$"
 TEMPLATE = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 MAX_PATH = 4096
+MAX_CONTEXT_B64 = 96 << 20  # a build context of up to 64 MiB (files to copy into a template)
 WS_FIRST_MESSAGE_S = 30.0
 STDOUT_TAG, STDERR_TAG = b"\x01", b"\x02"
 WS_FRAME = 32 << 10  # output per message; WebSocket clients often refuse messages over 64 KiB
@@ -71,6 +74,7 @@ MANAGER_STATUS: dict[type[VMManagerError], int] = {
     TemplateNotFound: 404,
     WrongState: 409,
     VolumeInUse: 409,
+    TemplateInUse: 409,
     NoRoom: 507,
 }
 AGENT_STATUS = {
@@ -144,6 +148,12 @@ class CreateBody(Strict):
 
 class ClaimBody(Strict):
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
+
+
+class BuildBody(Strict):
+    spec: str = Field(min_length=1, max_length=1 << 20)
+    context: str = Field("", max_length=MAX_CONTEXT_B64, description="base64 of a tar")
+    environ: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=64)
 
 
 class ExecBody(Strict):
@@ -305,6 +315,7 @@ async def _kill(proc: ExecProcess) -> None:
 class WorkerAPI:
     def __init__(self, manager: VMManager) -> None:
         self.manager = manager
+        self.builds = Builds(manager)
 
     def _vm_id(self, conn: Request | WebSocket) -> str:
         return str(conn.path_params["vm_id"])
@@ -364,6 +375,45 @@ class WorkerAPI:
 
     async def delete_volume(self, request: Request) -> Response:
         await self.manager.delete_volume(str(request.path_params["volume_id"]))
+        return Response(status_code=204)
+
+    # --- templates ---
+
+    async def start_build(self, request: Request) -> Response:
+        body = await read_body(BuildBody, request)
+        try:
+            context = base64.b64decode(body.context, validate=True)
+        except binascii.Error:
+            raise Problem(400, "context must be base64 (of a tar archive)") from None
+        try:
+            build = self.builds.start(
+                str(request.path_params["name"]), body.spec, context, body.environ
+            )
+        except BuildRefused as e:
+            raise Problem(400, str(e)) from None
+        return JSONResponse(build.status(), status_code=202)
+
+    def _build(self, request: Request) -> Build:
+        build = self.builds.get(str(request.path_params["build_id"]))
+        if build is None:
+            raise Problem(404, f"no build {request.path_params['build_id']} on this worker")
+        return build
+
+    async def build_status(self, request: Request) -> Response:
+        return JSONResponse(self._build(request).status())
+
+    async def build_log(self, request: Request) -> Response:
+        """The build's log, one line per line, following it until the build ends."""
+        build = self._build(request)
+
+        async def lines() -> AsyncIterator[bytes]:
+            async for line in build.log.follow():
+                yield (line + "\n").encode()
+
+        return StreamingResponse(lines(), media_type="text/plain; charset=utf-8")
+
+    async def delete_template(self, request: Request) -> Response:
+        await self.manager.remove_template(str(request.path_params["name"]))
         return Response(status_code=204)
 
     async def reconcile(self, request: Request) -> Response:
@@ -600,6 +650,10 @@ def make_app(manager: VMManager, secret: str) -> Starlette:
         Route(vm, api.delete, methods=["DELETE"]),
         Route(f"{vm}/claim", api.claim, methods=["POST"]),
         Route("/volumes/{volume_id}", api.delete_volume, methods=["DELETE"]),
+        Route("/templates/{name}/builds", api.start_build, methods=["POST"]),
+        Route("/templates/{name}", api.delete_template, methods=["DELETE"]),
+        Route("/builds/{build_id}", api.build_status, methods=["GET"]),
+        Route("/builds/{build_id}/log", api.build_log, methods=["GET"]),
         Route(f"{vm}/pause", api.pause, methods=["POST"]),
         Route(f"{vm}/resume", api.resume, methods=["POST"]),
         Route(f"{vm}/suspend", api.suspend, methods=["POST"]),

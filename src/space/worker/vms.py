@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -33,6 +34,7 @@ from typing import Any
 from space.worker.agent_client import AgentClient, AgentError, ExecProcess
 from space.worker.local import LocalRuntime
 from space.worker.machine import BootImages, Machine
+from space.worker.templates import TemplateRecord, latest_templates, remove_template
 from space.worker.vmm.base import Drive, SnapshotInfo, VMMError, VMState, VMStateError
 from space.worker.vmm.process import VMMProcess
 from space.worker.vmm.qemu import QMP_SOCKET, QemuDriver
@@ -44,6 +46,8 @@ SANDBOX_FILE = "sandbox.json"
 # a volume in a slot (same devices, another file), so volumes need no boot.
 VOLUME_SLOTS = 2
 EMPTY_SLOT = "empty-slot.img"
+START_LOG = "/var/log/space-start.log"  # in the guest: what the template's start command printed
+READY_TIMEOUT_S = 300.0
 VOLUME_ID = re.compile(r"^[a-z0-9][a-z0-9-]{2,19}$")  # it is the drive's serial: 20 bytes at most
 # Finds each volume by its serial and mounts it. A restored VM's guest saw an empty slot (size
 # 0, no read-only flag) there: rebinding the virtio driver makes it probe the new disk afresh.
@@ -108,6 +112,10 @@ class VolumeInUse(VMManagerError):
     """A volume some VM on this worker still has attached."""
 
 
+class TemplateInUse(VMManagerError):
+    """A template some sandbox on this worker was made from."""
+
+
 @dataclass(frozen=True)
 class VolumeMount:
     """A volume in a sandbox: its image's id and size, where the guest mounts it, and how."""
@@ -129,6 +137,10 @@ class SandboxSpec:
     hostname: str = ""
     disk_mib: int = 0  # 0: the template image's own size
     volumes: tuple[VolumeMount, ...] = ()
+    # How the template runs processes, unless an exec says otherwise.
+    template_env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxSpec:
@@ -215,6 +227,7 @@ class VMManager:
         self.pool = runtime.pool
         self.driver: QemuDriver = runtime.driver
         self.templates: dict[str, BootImages] = dict(templates or {"base": runtime.images})
+        self.records: dict[str, TemplateRecord] = {}  # built templates: how they run
         # vCPUs are overcommitted (idle sandboxes barely use theirs); memory is the real bound.
         self.capacity_vcpus = capacity_vcpus or (os.cpu_count() or 1) * 16
         self.capacity_memory_mib = capacity_memory_mib or _mem_total_mib() * 3 // 4
@@ -244,6 +257,7 @@ class VMManager:
                   self.volumes_dir):  # fmt: skip
             d.mkdir(parents=True, exist_ok=True)
         self._take_lock()
+        self.refresh_templates()
         self.empty_slot.touch(mode=0o600)
         for tmp in self.volumes_dir.glob(".*"):
             tmp.unlink(missing_ok=True)  # a volume image whose making was cut short
@@ -276,6 +290,29 @@ class VMManager:
             except UNREADABLE as e:
                 log.warning("suspended sandbox %s is unreadable, removing it: %s", vm_id, e)
                 shutil.rmtree(self.suspended_dir / vm_id, ignore_errors=True)
+
+    def refresh_templates(self) -> None:
+        """Make the newest build of every template built in the pool usable."""
+        base = self.templates["base"]
+        for name, record in latest_templates(self.pool.root).items():
+            if name == "base":
+                continue  # the platform's own, from `space image base`
+            self.templates[name] = BootImages(base.kernel, base.initrd, record.rootfs)
+            self.records[name] = record
+
+    async def remove_template(self, name: str) -> bool:
+        """Delete a built template, its base snapshots and every build of it."""
+        if name == "base" or name not in self.records:
+            return False
+        users = sorted(sb.id for sb in self._vms.values() if sb.spec.template == name)
+        if users:
+            raise TemplateInUse(f"template {name} is used by {', '.join(users)}")
+        for snap in self.base_dir.iterdir():
+            if snap.name.rsplit("-", 2)[0] == name:
+                await asyncio.to_thread(shutil.rmtree, snap, True)
+        await asyncio.to_thread(remove_template, self.pool.root, name)
+        del self.templates[name], self.records[name]
+        return True
 
     def _take_lock(self) -> None:
         """One process per worker directory: a second would fight the first over its VMs."""
@@ -396,8 +433,14 @@ class VMManager:
                     f"disk_mib {disk_mib} is smaller than template {template} ({image_mib} MiB)"
                 )
             _check_volumes(volumes)
-            spec = SandboxSpec(template, vcpus, memory_mib, dict(env or {}),
-                               hostname or f"sb-{vm_id}", disk_mib, tuple(volumes))  # fmt: skip
+            record = self.records.get(template)
+            spec = SandboxSpec(
+                template, vcpus, memory_mib, dict(env or {}), hostname or f"sb-{vm_id}",
+                disk_mib, tuple(volumes),
+                template_env=dict(record.env) if record else {},
+                workdir=record.workdir if record else None,
+                user=record.user if record else None,
+            )  # fmt: skip
             self._reserve(vm_id, vcpus, memory_mib)
             try:
                 started = time.perf_counter()
@@ -496,6 +539,9 @@ class VMManager:
             tmp = self.base_dir / f".{key}.{uuid.uuid4().hex[:8]}"
             try:
                 async with machine:
+                    record = self.records.get(template)
+                    if record is not None:
+                        await _start_service(machine, record)
                     await machine.snapshot(tmp)
                 _write_private(tmp / IMAGES_FILE, json.dumps(_images_record(images)))
                 shutil.rmtree(path, ignore_errors=True)
@@ -663,10 +709,48 @@ class VMManager:
     ) -> ExecProcess:
         """Start a process; the sandbox's environment lies under the one given here."""
         sb, agent = await self.agent(vm_id)
+        spec = sb.spec
         return await agent.exec(
-            cmd, env={**sb.spec.env, **(env or {})}, cwd=cwd, user=user, timeout=timeout,
+            cmd, env={**spec.template_env, **spec.env, **(env or {})}, cwd=cwd or spec.workdir,
+            user=user if user is not None else _user_arg(spec.user), timeout=timeout,
             stdin=stdin, pty=pty, rows=rows, cols=cols,
         )  # fmt: skip
+
+
+async def _start_service(machine: Machine, record: TemplateRecord) -> None:
+    """Start the template's service (its start command, else the image's own command) and wait
+    until its ready check passes, so every sandbox restored from the snapshot has it running."""
+    start = record.start or (shlex.join(record.command) if record.command else None)
+    how: dict[str, Any] = {"env": record.env, "cwd": record.workdir,
+                           "user": _user_arg(record.user)}  # fmt: skip
+    if start:
+        # Detached, with its output in a file: it outlives this exec and the snapshot.
+        script = f"( {start} ) </dev/null >>{START_LOG} 2>&1 &"
+        r = await machine.agent.run(["/bin/sh", "-c", script], timeout=30, **how)
+        if r.exit_code != 0:
+            raise VMManagerError(f"template {record.name}: start failed: {r.stderr.decode()}")
+    if not record.ready:
+        return
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        r = await machine.agent.run(["/bin/sh", "-c", record.ready], timeout=30, **how)
+        if r.exit_code == 0:
+            return
+        if time.monotonic() > deadline:
+            out = (r.stdout + r.stderr).decode(errors="replace").strip()[-500:]
+            raise VMManagerError(
+                f"template {record.name} was not ready after {READY_TIMEOUT_S:.0f} s "
+                f"(ready check: exit {r.exit_code}: {out}; its start log is {START_LOG})"
+            )
+        await asyncio.sleep(0.2)
+
+
+def _user_arg(user: str | None) -> str | int | None:
+    """An image's user ("name", "uid", "uid:gid"): the agent takes a name or a uid."""
+    if user is None:
+        return None
+    name = user.split(":", 1)[0]
+    return int(name) if name.isdigit() else name
 
 
 def _check_volumes(volumes: Sequence[VolumeMount]) -> None:

@@ -1,0 +1,130 @@
+"""Template builds on this worker, asked for over its API: each runs in the background, keeps a
+log any number of readers can follow, and on success makes the template usable at once.
+
+A build's input is its spec (space.toml text), a build context (a tar of the files its `copy`
+steps bring in) and the values of the environment variables the spec names for registry
+credentials; none of them outlive the build.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import shutil
+import tarfile
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from space.worker.templates import (
+    BuildEnv,
+    BuildLog,
+    TemplateError,
+    TemplateRecord,
+    build_template,
+    parse_spec,
+)
+from space.worker.vms import VMManager
+
+log = logging.getLogger(__name__)
+
+KEEP_FINISHED = 50  # finished builds whose status and log stay readable
+
+
+class BuildRefused(Exception):
+    """A build that cannot start: a bad spec or context (the message says what)."""
+
+
+@dataclass
+class Build:
+    id: str
+    name: str
+    log: BuildLog
+    state: str = "building"  # building | ready | failed
+    error: str | None = None
+    record: TemplateRecord | None = None
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": self.state,
+            "error": self.error,
+            "record": self.record.to_json() if self.record else None,
+        }
+
+
+class Builds:
+    def __init__(self, manager: VMManager) -> None:
+        self.manager = manager
+        images = manager.templates["base"]
+        self.env = BuildEnv(manager.driver, manager.pool, images.kernel, images.initrd,
+                            manager.pool.root)  # fmt: skip
+        self._builds: dict[str, Build] = {}
+
+    def start(self, name: str, spec: str, context: bytes, environ: dict[str, str]) -> Build:
+        if any(b.name == name and b.state == "building" for b in self._builds.values()):
+            raise BuildRefused(f"a build of template {name} is under way")
+        workdir = Path(tempfile.mkdtemp(prefix="space-build-"))
+        try:
+            _unpack(context, workdir)
+            parsed = parse_spec(spec, workdir)
+        except (TemplateError, BuildRefused) as e:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise BuildRefused(str(e)) from None
+        if parsed.name != name:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise BuildRefused(f"the spec builds template {parsed.name!r}, not {name!r}")
+        build = Build(f"b-{uuid.uuid4().hex[:12]}", name, BuildLog())
+
+        async def run() -> None:
+            try:
+                build.record = await build_template(parsed, self.env, build.log, environ=environ)
+                self.manager.refresh_templates()
+                build.state = "ready"
+            except TemplateError as e:
+                build.state, build.error = "failed", str(e)
+                build.log(f"build failed: {e}")
+            except Exception as e:  # logged whole here; the caller gets one clear line
+                log.exception("build %s of %s failed", build.id, name)
+                build.state, build.error = "failed", f"internal error: {type(e).__name__}: {e}"
+                build.log(f"build failed: {build.error}")
+            finally:
+                build.log.close()
+                await asyncio.to_thread(shutil.rmtree, workdir, True)
+
+        build.task = asyncio.ensure_future(run())
+        self._builds[build.id] = build
+        self._forget_old()
+        return build
+
+    def get(self, build_id: str) -> Build | None:
+        return self._builds.get(build_id)
+
+    def _forget_old(self) -> None:
+        finished = [b for b in self._builds.values() if b.state != "building"]
+        for b in finished[: max(0, len(finished) - KEEP_FINISHED)]:
+            del self._builds[b.id]
+
+    async def close(self) -> None:
+        for b in self._builds.values():
+            if b.task is not None and not b.task.done():
+                b.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await b.task
+
+
+def _unpack(context: bytes, dest: Path) -> None:
+    """A build context tar (plain or compressed): only regular files, directories and links
+    that stay inside `dest`."""
+    if not context:
+        return
+    try:
+        with tarfile.open(fileobj=io.BytesIO(context), mode="r:*") as tf:
+            tf.extractall(dest, filter="data")
+    except (tarfile.TarError, OSError) as e:
+        raise BuildRefused(f"the build context is not a usable tar archive: {e}") from None
