@@ -68,15 +68,16 @@ async def create_sandbox(
     """A running sandbox: claimed from the template's warm pool when one of this shape is
     ready (`boot` says "pool"), else restored from its base snapshot, else booted."""
     started = time.perf_counter()
-    if not await svc.store.template_exists(body.template):
-        raise APIError(404, f"no template {body.template!r}")
     values = body.model_dump()
     values["idempotency_key"] = idempotency_key
-    # A pool member has no volumes, and its id is not the client's.
+    # A pool member has no volumes, and its id is not the client's. Only usable templates
+    # have members, so a hit needs no look at the template.
     pooled = body.id is None and not body.volumes
     row = await _claim(svc, caller, values) if pooled else None
     created = True
     if row is None:
+        if not await svc.store.template_exists(body.template):
+            raise APIError(404, f"no template {body.template!r}")
         values["id"] = body.id or f"sb-{secrets.token_hex(8)}"
         row, created = await svc.store.create_sandbox(caller.id, values)
         if wait:

@@ -552,9 +552,7 @@ class Store:
             users = await _attachments(c, vid)
             writers = [u["id"] for u in users if not u["read_only"]]
             if writers:
-                raise Refused(
-                    409, f"volume {vid} is attached read-write to {', '.join(writers)}"
-                )
+                raise Refused(409, f"volume {vid} is attached read-write to {', '.join(writers)}")
             if users and not a.get("read_only"):
                 names = ", ".join(u["id"] for u in users)
                 raise Refused(
