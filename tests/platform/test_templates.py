@@ -8,6 +8,8 @@ import base64
 import io
 import json
 import secrets
+import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -192,3 +194,27 @@ def test_builds_fail_clearly(platform: Platform, image: str) -> None:
         assert c.delete("/v1/templates/bad").status_code == 403
         assert admin.delete("/v1/templates/base").status_code == 409
         assert admin.delete("/v1/templates/bad").status_code == 200
+
+
+def test_the_cli_builds_through_the_api_with_progress(platform: Platform, tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "usr/bin").mkdir(parents=True)
+    (tree / "usr/bin/python3").write_text("#!/bin/false\n")  # enough for the static check
+    (tree / "usr/bin/python3").chmod(0o755)
+    (tmp_path / "space.toml").write_text(
+        '[template]\nname = "clidemo"\nfrom = "dir:tree"\n[[steps]]\nenv = { MODE = "cli" }\n'
+    )
+    argv = [sys.executable, "-m", "space.cli.main", "template", "build", "-f",
+            str(tmp_path / "space.toml"), "--api-url", platform.api_url,
+            "--api-key", platform.admin_key]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step 1: env: MODE=cli" in r.stdout and "built clidemo" in r.stdout, r.stdout
+    with platform.client(platform.admin_key) as admin:
+        tpl = admin.get("/v1/templates/clidemo").json()
+        assert tpl["state"] == "ready" and tpl["built"]["env"]["MODE"] == "cli"
+        assert admin.delete("/v1/templates/clidemo").status_code == 200
+    # Not an admin key: one clear line, no traceback.
+    argv[-1] = platform.key_a
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1 and "admin" in r.stderr and "Traceback" not in r.stderr, r.stderr

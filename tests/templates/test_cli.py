@@ -40,7 +40,9 @@ def test_build_list_remove(tmp_path: Path, out_root: Path) -> None:
         '[template]\nname = "clidemo"\nfrom = "dir:tree"\nstart = "serve"\n'
         '[[steps]]\nenv = { MODE = "cli" }\n[[steps]]\nuser = "nobody"\n'
     )
-    r = space("template", "build", "-f", str(tmp_path / "space.toml"), "--out", str(out_root))
+    r = space(
+        "template", "build", "--local", "-f", str(tmp_path / "space.toml"), "--out", str(out_root)
+    )
     assert r.returncode == 0, r.stderr + r.stdout
     assert "built clidemo" in r.stdout
     [built] = list((out_root / "templates/clidemo").iterdir())

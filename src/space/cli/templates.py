@@ -1,14 +1,18 @@
-"""`space template ...`: build templates from a spec file (space.toml) on this host, list them.
+"""`space template ...`: build templates from a spec file (space.toml), list them.
 
-The build runs here, with this host's VM runtime (pool, guest kernel, QEMU): the same builder the
-worker runs for the API. Its log streams to the terminal under a progress bar over the steps.
+`build` asks the platform's API (a worker builds it, the log streams back), or with `--local`
+runs the same builder here, with this host's VM runtime. Either way the log streams to the
+terminal under a progress bar over the steps. `ls`, `rm` and `prune` look at this host's pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
@@ -17,6 +21,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from space.client import AsyncSpace, SpaceError
+from space.client._config import KEY_VARIABLE, URL_VARIABLE
 from space.worker.agent_client import AgentError
 from space.worker.images.debs import ImageBuildError
 from space.worker.local import local_runtime
@@ -25,12 +31,14 @@ from space.worker.templates import (
     BuildEnv,
     TemplateError,
     TemplateRecord,
+    TemplateSpec,
     build_template,
     list_templates,
     load_spec,
     prune_cache,
     remove_template,
 )
+from space.worker.templates.spec import SPEC_FILE
 from space.worker.vmm.base import VMMError
 
 _console = Console(highlight=False)
@@ -52,25 +60,34 @@ def template() -> None:
     show_default=True,
     help="The template spec (a directory means its space.toml).",
 )
+@click.option("--local", is_flag=True, help="Build on this host, not through the API.")
 @click.option(
     "--out",
     type=click.Path(path_type=Path, file_okay=False),
-    help="Root for templates/ and the step cache (default: the worker's pool; keep it on the "
-    "pool's file system so that clones are reflinks).",
+    help="With --local: root for templates/ and the step cache (default: the worker's pool; keep "
+    "it on the pool's file system so that clones are reflinks).",
 )
-def build(spec_path: Path, out: Path | None) -> None:
+@click.option("--api-url", envvar=URL_VARIABLE, help="API address (as for `space sandbox`).")
+@click.option("--api-key", envvar=KEY_VARIABLE, help="An admin API key.")
+def build(
+    spec_path: Path, local: bool, out: Path | None, api_url: str | None, api_key: str | None
+) -> None:
     """Build the template a spec file describes; cached steps are reused."""
     try:
+        if not local:
+            asyncio.run(_build_remote(spec_path, api_url, api_key))
+            return
         record = asyncio.run(_build(spec_path, out))
-    except (TemplateError, ImageBuildError, AgentError, VMMError, OSError) as e:
+    except (TemplateError, ImageBuildError, AgentError, VMMError, OSError, SpaceError) as e:
         raise click.ClickException(str(e)) from None
     _console.print(f"[bold green]built[/] {record.name} {record.digest}  {record.path}")
     if record.command:
         _console.print(f"  command: {' '.join(record.command)}")
 
 
-async def _build(spec_path: Path, out: Path | None) -> TemplateRecord:
-    spec = load_spec(spec_path)
+@contextlib.contextmanager
+def _progress(spec: TemplateSpec) -> Iterator[Callable[[str], None]]:
+    """A log sink that prints each line and moves a progress bar over the build's stages."""
     started = time.monotonic()
     stages = len(spec.steps) + 1  # the source, then each step
     with Progress(
@@ -96,11 +113,41 @@ async def _build(spec_path: Path, out: Path | None) -> TemplateRecord:
             elif line.startswith("step "):
                 progress.update(task, description=f"{spec.name}: {escape(line[:60])}")
 
+        yield log
+        progress.update(task, completed=stages)
+
+
+async def _build(spec_path: Path, out: Path | None) -> TemplateRecord:
+    spec = load_spec(spec_path)
+    with _progress(spec) as log:
         rt = await local_runtime(log=log)
         env = BuildEnv.from_runtime(rt, out)
-        record = await build_template(spec, env, log)
-        progress.update(task, completed=stages)
-    return record
+        return await build_template(spec, env, log)
+
+
+async def _build_remote(spec_path: Path, api_url: str | None, api_key: str | None) -> None:
+    """Through the API: the spec's directory goes along as the build context, and the values
+    of the credential variables it names are read from this environment."""
+    spec = load_spec(spec_path)  # checked here first: a bad spec fails before any upload
+    names = [n for n in (spec.username_env, spec.password_env) if n]
+    environ = {n: os.environ[n] for n in names if n in os.environ}
+    path = spec_path / SPEC_FILE if spec_path.is_dir() else spec_path
+    async with AsyncSpace(api_url, api_key) as space:
+        await space.build_template(spec.name, path, environ)
+        with _progress(spec) as log:
+            async for line in space.build_log(spec.name):
+                log(line)
+        # The log ends with the build; its outcome reaches the API a moment later.
+        tpl = await space.template(spec.name)
+        for _ in range(150):
+            if tpl.state != "building":
+                break
+            await asyncio.sleep(0.2)
+            tpl = await space.template(spec.name)
+    if tpl.state != "ready":
+        raise click.ClickException(f"template {spec.name}: {tpl.state}: {tpl.error}")
+    built = tpl.built or {}
+    _console.print(f"[bold green]built[/] {spec.name} {built.get('digest')}")
 
 
 @template.command("ls")
