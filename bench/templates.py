@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import vm_runtime
 from space.worker.images.base import base_root, ensure_base_template
 from space.worker.local import LocalRuntime, local_runtime
 from space.worker.storage.reflink import reflink
@@ -41,17 +42,7 @@ GIB = 1 << 30
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-    return {
-        "n": len(ordered),
-        "p50_ms": pick(0.5) * 1000,
-        "p90_ms": pick(0.9) * 1000,
-        "max_ms": ordered[-1] * 1000,
-    }
+    return {**vm_runtime.percentiles(samples), "max_ms": max(samples) * 1000}
 
 
 def exclusive_bytes(path: Path) -> int:

@@ -100,19 +100,29 @@ async def collect_garbage(store: Store, workers: WorkerClient) -> None:
             log.info("worker %s removed strays: %s", worker["id"], result["removed"])
 
 
+async def _remove_on_worker(
+    store: Store, workers: WorkerClient, worker_id: str | None, path: str
+) -> bool:
+    """DELETE `path` on the worker that holds a file (none: nothing to remove); False if that
+    has to wait (the worker is away, or refused)."""
+    worker = await store.worker(worker_id) if worker_id else None
+    if worker is None:
+        return True
+    if worker["state"] != "active":
+        return False  # the file is on that host: wait for the worker to come back
+    try:
+        await workers.call("DELETE", f"{worker['url']}{path}")
+    except WorkerError as e:
+        log.info("%s not removed yet: %s", path, e)
+        return False
+    return True
+
+
 async def delete_volumes(store: Store, workers: WorkerClient) -> None:
     """Volumes asked to be deleted lose their image on their worker, then their row."""
     for vol in await store.volumes_to_delete():
-        worker = await store.worker(vol["worker_id"]) if vol["worker_id"] else None
-        if worker is not None:
-            if worker["state"] != "active":
-                continue  # its image is on that host: wait for the worker to come back
-            try:
-                await workers.call("DELETE", f"{worker['url']}/volumes/{vol['id']}")
-            except WorkerError as e:
-                log.info("volume %s not deleted yet: %s", vol["id"], e)
-                continue
-        await store.volume_deleted(vol["id"])
+        if await _remove_on_worker(store, workers, vol["worker_id"], f"/volumes/{vol['id']}"):
+            await store.volume_deleted(vol["id"])
 
 
 async def template_builds(store: Store, workers: WorkerClient) -> None:
@@ -136,16 +146,8 @@ async def template_builds(store: Store, workers: WorkerClient) -> None:
     for tpl in await store.templates_in("deleting"):
         if await store.template_users(tpl["id"]):
             continue  # its pool members are still being deleted
-        worker = await store.worker(tpl["worker_id"]) if tpl["worker_id"] else None
-        if worker is not None:
-            if worker["state"] != "active":
-                continue
-            try:
-                await workers.call("DELETE", f"{worker['url']}/templates/{tpl['id']}")
-            except WorkerError as e:
-                log.info("template %s not removed yet: %s", tpl["id"], e)
-                continue
-        await store.forget_template(tpl["id"])
+        if await _remove_on_worker(store, workers, tpl["worker_id"], f"/templates/{tpl['id']}"):
+            await store.forget_template(tpl["id"])
 
 
 async def every(seconds: float, name: str, fn: Callable[[], Awaitable[None]]) -> None:

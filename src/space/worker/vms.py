@@ -36,7 +36,7 @@ from space.worker.local import LocalRuntime
 from space.worker.machine import BootImages, Machine
 from space.worker.templates import TemplateRecord, latest_templates, remove_template
 from space.worker.vmm.base import Drive, SnapshotInfo, VMMError, VMState, VMStateError
-from space.worker.vmm.process import VMMProcess
+from space.worker.vmm.process import VMMProcess, vmm_pids
 from space.worker.vmm.qemu import QMP_SOCKET, QemuDriver
 
 log = logging.getLogger(__name__)
@@ -820,23 +820,9 @@ def _write_private(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def _vmm_pids(run_dir: Path) -> list[int]:
-    """Processes whose command line names this run directory's QMP socket: its VMM."""
-    needle = str(run_dir / QMP_SOCKET).encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if needle in (proc / "cmdline").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
-
-
 async def _kill_leftover(directory: Path) -> None:
     """Kill whatever VMM still runs from `directory` (a run dir), then remove the directory."""
-    for pid in _vmm_pids(directory):
+    for pid in vmm_pids(directory):
         try:
             proc = VMMProcess.adopt(pid, str(directory / QMP_SOCKET))
         except VMMError:

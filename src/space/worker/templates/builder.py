@@ -45,6 +45,7 @@ from space.worker.templates.record import RECORD_FILE, ROOTFS_FILE, TemplateReco
 from space.worker.templates.sources import Source, resolve_source, tree_digest
 from space.worker.templates.spec import METADATA_KINDS, Step, TemplateSpec
 from space.worker.vmm.base import Driver
+from space.worker.vmm.process import vmm_pids
 
 Log = Callable[[str], None]
 # Bump when what a step does to the disk changes in a way its key does not show.
@@ -257,7 +258,7 @@ def _clean_up_after_dead_builds(env: BuildEnv) -> None:
         owner = run_dir.name.split("-")[1] if run_dir.name.count("-") >= 2 else ""
         if owner.isdigit() and Path(f"/proc/{owner}").exists():
             continue  # its build is still running
-        for pid in _vmm_pids(run_dir):
+        for pid in vmm_pids(run_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -267,20 +268,6 @@ def _clean_up_after_dead_builds(env: BuildEnv) -> None:
             with contextlib.suppress(OSError):
                 if now - tmp.stat().st_mtime > STALE_TMP_S:
                     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _vmm_pids(run_dir: Path) -> list[int]:
-    pids = []
-    needle = f"{run_dir}/".encode()
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmdline = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if cmdline.startswith(b"qemu-system") and needle in cmdline:
-                pids.append(int(proc.name))
-    return pids
 
 
 def _apply_metadata(step: Step, state: _State) -> None:

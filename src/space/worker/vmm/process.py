@@ -18,6 +18,22 @@ from typing import Any
 from space.worker.vmm.base import VMGone, VMMError
 
 
+def vmm_pids(directory: Path) -> list[int]:
+    """QEMU processes whose command line names a file under `directory` (a VM's run directory):
+    found this way they can be killed even when nothing else about them is known."""
+    needle = f"{directory}/".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(b"qemu-system") and needle in cmdline:
+                pids.append(int(proc.name))
+    return pids
+
+
 class VMMProcess:
     def __init__(self, pid: int, pidfd: int, is_child: bool) -> None:
         self.pid = pid
