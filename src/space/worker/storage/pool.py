@@ -88,9 +88,12 @@ def _supports_reflink(directory: Path) -> bool:
 
 
 def ensure_pool(
-    root: Path | None = None, image: Path | None = None, size_gib: int = DEFAULT_IMAGE_GIB
+    root: Path | None = None, image: Path | None = None, size_gib: int | None = None
 ) -> Pool:
-    """Find or make the pool. `SPACE_POOL_DIR` names an existing reflink-capable directory."""
+    """Find or make the pool. `SPACE_POOL_DIR` names an existing reflink-capable directory;
+    otherwise a sparse image of `SPACE_POOL_IMAGE_GIB` (default 64) GiB is made and mounted."""
+    if size_gib is None:
+        size_gib = int(os.environ.get("SPACE_POOL_IMAGE_GIB", DEFAULT_IMAGE_GIB))
     configured = os.environ.get("SPACE_POOL_DIR")
     if root is None and configured:
         root = Path(configured)
