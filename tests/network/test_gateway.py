@@ -31,7 +31,6 @@ from tests.network.world import (
     NET_CONFIG,
     ZONE,
     World,
-    cleanup,
     guest_config,
     sh,
 )
@@ -73,6 +72,10 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World
         yield w
     finally:
         await w.stop()
+    # Nothing of the world may outlive it: namespaces, links, the host table.
+    assert not nsutil.names("spt-")
+    assert "space_test" not in sh("nft", "list", "tables").stdout
+    assert "spt-" not in sh("ip", "-o", "link", "show").stdout
 
 
 @pytest.fixture(scope="module")
@@ -259,15 +262,6 @@ async def test_create_destroy_sweep_leave_nothing(world: World) -> None:
     assert not any(h in links for h in hosts)
 
 
-def test_world_cleanup_is_complete() -> None:
-    """After a world is stopped nothing with our prefixes remains (run after the module's world
-    by name order is not guaranteed, so this builds and removes a bare one)."""
-    cleanup()
-    assert not nsutil.names("spt-")
-    assert "space_test" not in sh("nft", "list", "tables").stdout
-    assert set(ZONE)  # the zone the world serves is non-empty
-
-
 def test_gateway_client_reports_unreachable(tmp_path: Path) -> None:
     async def probe() -> None:
         async with GatewayClient(tmp_path / "none.sock") as gw:
@@ -320,3 +314,19 @@ async def test_qemu_in_the_host_namespace_drives_the_tap_by_fd() -> None:
             await proc.wait()
         await manager.destroy("qemu-tap")
     assert not nsutil.exists(net.netns)
+
+
+async def test_gateway_and_worker_restarts_keep_sandboxes_working(world: World) -> None:
+    """The gateway keeps policies in memory: after it restarts, the worker's Egress.start
+    re-pushes them and re-adopts the live networks (no VM needs a new tap)."""
+    b = world.guests["b"]
+    fetch = [sys.executable, "-c", "import urllib.request as u; print(u.urlopen("
+             "'http://other.test/', timeout=3).read().decode())"]  # fmt: skip
+    assert world.gateway is not None
+    await world.gateway.stop()
+    assert "hello" not in world.run_in_guest(b, fetch, timeout=30).stdout  # no gateway: nothing
+    egress = await world.start_gateway()  # a new worker process: a fresh Egress, same manager
+    rebuilt = await egress.start({"a": policy_a(), "b": policy_b()})
+    assert rebuilt == []
+    assert egress.network("b") == b.net
+    assert "hello from other.test" in world.run_in_guest(b, fetch, timeout=30).stdout

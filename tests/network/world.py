@@ -33,9 +33,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from space.gateway import GatewayClient, Policy
+from space.gateway import GatewayClient, GatewayProcess, GatewaySettings, Policy
 from space.gateway.tls import make_ca
-from space.worker.network import NetworkConfig, NetworkManager, SandboxNetwork
+from space.worker.network import Egress, NetworkConfig, NetworkManager, SandboxNetwork
 from space.worker.network import netns as nsutil
 
 HERE = Path(__file__).parent
@@ -115,6 +115,8 @@ class World:
     guests: dict[str, Guest] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     origin_ca: Path | None = None
+    gateway: GatewayProcess | None = None
+    egress: Egress | None = None  # the worker's handle: networks + policies
 
     @property
     def control_socket(self) -> Path:
@@ -134,9 +136,30 @@ class World:
     async def start(self) -> None:
         cleanup()
         self.directory.mkdir(parents=True, exist_ok=True)
-        await self.manager.start()
         self._internet()
-        self._gateway()
+        await self.start_gateway()
+        assert self.egress is not None
+        await self.egress.start({})
+
+    async def start_gateway(self) -> Egress:
+        """(Re)start the gateway process as a worker does; a new Egress talks to it."""
+        if self.egress is not None:
+            await self.egress.gateway.close()
+        assert self.origin_ca is not None
+        self.gateway = GatewayProcess(
+            GatewaySettings(
+                state_dir=self.directory / "gateway",
+                control_socket=self.control_socket,
+                upstream_dns=DNS_IP,
+                upstream_ca=self.origin_ca,
+                proxy_port=NET_CONFIG.proxy_port,
+                dns_port=NET_CONFIG.dns_port,
+                max_connections=MAX_CONNECTIONS,
+            )
+        )
+        client = await self.gateway.start()
+        self.egress = Egress(self.manager, client)
+        return self.egress
 
     def _internet(self) -> None:
         nsutil.create(INET_NS, lambda: None)
@@ -163,16 +186,6 @@ class World:
             ["ip", "netns", "exec", INET_NS, sys.executable, str(HERE / "internet.py"),
              str(self.directory / "internet.json")], "internet.log", ready,
         )  # fmt: skip
-
-    def _gateway(self) -> None:
-        argv = [sys.executable, "-m", "space.gateway",
-                "--state-dir", str(self.directory / "gateway"),
-                "--control-socket", str(self.control_socket),
-                "--upstream-dns", DNS_IP, "--upstream-ca", str(self.origin_ca),
-                "--proxy-port", str(NET_CONFIG.proxy_port),
-                "--dns-port", str(NET_CONFIG.dns_port),
-                "--max-connections", str(MAX_CONNECTIONS)]  # fmt: skip
-        self._spawn(argv, "gateway.log", self.control_socket)
 
     def _spawn(self, argv: list[str], log: str, ready: Path) -> None:
         with (self.directory / log).open("ab") as out:
@@ -204,8 +217,8 @@ class World:
         # A guest's root can add IPv6 itself; give it a route so attempts leave the guest.
         sh(*n, "addr", "add", "fd00:5ace::2/64", "dev", "eth0", "nodad")
         sh(*n, "-6", "route", "add", "default", "via", "fd00:5ace::1")
-        async with self.client() as gw:
-            await gw.set_policy(sandbox_id, net.sandbox_ip, policy)
+        assert self.egress is not None
+        assert await self.egress.attach(sandbox_id, policy) == net  # adopts what was made
         guest = Guest(sandbox_id, guest_ns, net)
         self.guests[sandbox_id] = guest
         return guest
@@ -225,6 +238,13 @@ class World:
         return [json.loads(line) for line in self.internet_log.read_text().splitlines() if line]
 
     async def stop(self) -> None:
+        if self.egress is not None:
+            for guest in self.guests.values():
+                with contextlib.suppress(Exception):
+                    await self.egress.detach(guest.name)
+            await self.egress.gateway.close()
+        if self.gateway is not None:
+            await self.gateway.stop()
         for proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
