@@ -48,7 +48,11 @@ class Upstream:
         return [ipaddress.ip_address(r.to_text()) for r in answer]
 
     async def forward(self, query: dns.message.Message) -> dns.message.Message:
-        return await dns.asyncquery.udp(query, self.host, timeout=self.timeout, port=self.port)
+        # A truncated answer is fetched again over TCP, so guests get it whole.
+        reply, _ = await dns.asyncquery.udp_with_fallback(
+            query, self.host, timeout=self.timeout, port=self.port
+        )
+        return reply
 
 
 class DNSProtocol(asyncio.DatagramProtocol):
@@ -76,49 +80,73 @@ class DNSProtocol(asyncio.DatagramProtocol):
         except dns.exception.DNSException:
             audit.record(sandbox.id, "dns", "deny", "malformed query")
             return
-        reply = await self._resolve(sandbox.id, query)
+        reply = await answer(self.gateway, sandbox.id, query)
         if self.transport is not None:
-            self.transport.sendto(reply.to_wire(), addr)
+            # Over UDP an answer too large for the query's buffer is cut; TCP gets it whole.
+            self.transport.sendto(reply.to_wire(max_size=max(512, query.payload)), addr)
 
-    async def _resolve(self, sandbox_id: str, query: dns.message.Message) -> dns.message.Message:
-        audit = self.gateway.audit
-        policy = self.gateway.sandboxes[sandbox_id].policy
-        reply = dns.message.make_response(query)
-        reply.flags |= dns.flags.RA
-        if len(query.question) != 1:
-            reply.set_rcode(dns.rcode.FORMERR)
-            return reply
-        question = query.question[0]
-        name = normalize_name(question.name.to_text())
-        if not policy.name_allowed(name):
-            audit.record(sandbox_id, "dns", "deny", "name not allowed", host=name)
-            reply.set_rcode(dns.rcode.REFUSED)
-            return reply
-        if question.rdtype == dns.rdatatype.AAAA:
-            return reply  # no data: guests have no IPv6 egress
-        if question.rdtype not in ANSWERED_TYPES:
-            audit.record(sandbox_id, "dns", "deny", "query type not served", host=name)
-            reply.set_rcode(dns.rcode.REFUSED)
-            return reply
-        try:
-            upstream = await self.gateway.upstream.forward(query)
-        except (dns.exception.DNSException, OSError) as e:
-            audit.record(sandbox_id, "dns", "deny", f"upstream failed: {type(e).__name__}", name)
-            reply.set_rcode(dns.rcode.SERVFAIL)
-            return reply
-        rule = policy.host_rule(name, 443) or policy.host_rule(name, 80)
-        reply.set_rcode(upstream.rcode())
-        stripped = False
-        for rrset in upstream.answer:
-            if rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
-                keep = [
-                    r for r in rrset if policy.dialable(ipaddress.ip_address(r.to_text()), rule)
-                ]
-                stripped |= len(keep) != len(rrset)
-                if not keep:
-                    continue
-                rrset = dns.rrset.from_rdata_list(rrset.name, rrset.ttl, keep)
-            reply.answer.append(rrset)
-        reason = "allowed; blocked addresses stripped" if stripped else "allowed"
-        audit.record(sandbox_id, "dns", "allow", reason, host=name)
+
+async def serve_tcp(
+    gateway: Gateway, sandbox_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """DNS over TCP (RFC 7766): length-prefixed queries, answered like UDP ones."""
+    try:
+        while True:
+            try:
+                size = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), 10), "big")
+                query = dns.message.from_wire(await reader.readexactly(size))
+            except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+                return
+            except dns.exception.DNSException:
+                gateway.audit.record(sandbox_id, "dns", "deny", "malformed query over TCP")
+                return
+            wire = (await answer(gateway, sandbox_id, query)).to_wire()
+            writer.write(len(wire).to_bytes(2, "big") + wire)
+            await writer.drain()
+    finally:
+        writer.close()
+
+
+async def answer(
+    gateway: Gateway, sandbox_id: str, query: dns.message.Message
+) -> dns.message.Message:
+    """The reply to a sandbox's query under its policy (every decision audited)."""
+    audit = gateway.audit
+    policy = gateway.sandboxes[sandbox_id].policy
+    reply = dns.message.make_response(query)
+    reply.flags |= dns.flags.RA
+    if len(query.question) != 1:
+        reply.set_rcode(dns.rcode.FORMERR)
         return reply
+    question = query.question[0]
+    name = normalize_name(question.name.to_text())
+    if not policy.name_allowed(name):
+        audit.record(sandbox_id, "dns", "deny", "name not allowed", host=name)
+        reply.set_rcode(dns.rcode.REFUSED)
+        return reply
+    if question.rdtype == dns.rdatatype.AAAA:
+        return reply  # no data: guests have no IPv6 egress
+    if question.rdtype not in ANSWERED_TYPES:
+        audit.record(sandbox_id, "dns", "deny", "query type not served", host=name)
+        reply.set_rcode(dns.rcode.REFUSED)
+        return reply
+    try:
+        upstream = await gateway.upstream.forward(query)
+    except (dns.exception.DNSException, OSError) as e:
+        audit.record(sandbox_id, "dns", "deny", f"upstream failed: {type(e).__name__}", name)
+        reply.set_rcode(dns.rcode.SERVFAIL)
+        return reply
+    rule = policy.host_rule(name, 443) or policy.host_rule(name, 80)
+    reply.set_rcode(upstream.rcode())
+    stripped = False
+    for rrset in upstream.answer:
+        if rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
+            keep = [r for r in rrset if policy.dialable(ipaddress.ip_address(r.to_text()), rule)]
+            stripped |= len(keep) != len(rrset)
+            if not keep:
+                continue
+            rrset = dns.rrset.from_rdata_list(rrset.name, rrset.ttl, keep)
+        reply.answer.append(rrset)
+    reason = "allowed; blocked addresses stripped" if stripped else "allowed"
+    audit.record(sandbox_id, "dns", "allow", reason, host=name)
+    return reply

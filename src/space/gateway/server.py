@@ -20,6 +20,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from space.gateway import dns as dns_server
 from space.gateway import sniff
 from space.gateway.audit import AuditLog
 from space.gateway.dns import DNSProtocol, Upstream
@@ -187,6 +188,11 @@ class Gateway:
             self.audit.record(sandbox.id, "tcp", "allow", "CIDR rule", port=port, address=str(dst))
             reader, writer = await _guest_streams(conn, None)
             await _splice(reader, writer, upstream[0], upstream[1])
+            return
+        if port == 53:
+            # DNS over TCP (large answers, or a guest's choice): the same resolver and policy.
+            reader, writer = await _guest_streams(conn, None)
+            await dns_server.serve_tcp(self, sandbox.id, reader, writer)
             return
         kind, name, method = await self._peek(conn)
         if name is None:

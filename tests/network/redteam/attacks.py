@@ -109,25 +109,36 @@ def resolve(name: str) -> str:
 
 
 def dns_query(
-    server: str, name: str, qtype: int = 1, family: int = socket.AF_INET
+    server: str, name: str, qtype: int = 1, family: int = socket.AF_INET, tcp: bool = False
 ) -> tuple[int, list[str]] | None:
-    """(rcode, A records) of a raw UDP DNS query, or None when nothing answered."""
+    """(rcode, A records) of a raw DNS query over UDP (or TCP), or None when nothing answered."""
     qid = random.randrange(65536)
     packet = struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0)
     for label in name.split("."):
         packet += bytes([len(label)]) + label.encode()
     packet += b"\0" + struct.pack("!HH", qtype, 1)
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.settimeout(TIMEOUT)
-        try:
-            s.sendto(packet, (server, 53))
-            data = s.recv(4096)
-        except OSError:
-            return None
+    try:
+        if tcp:
+            with socket.create_connection((server, 53), timeout=TIMEOUT) as s:
+                s.sendall(struct.pack("!H", len(packet)) + packet)
+                data = b""
+                while len(data) < 2 or len(data) < 2 + struct.unpack("!H", data[:2])[0]:
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        return None
+                    data += chunk
+                data = data[2:]
+        else:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.settimeout(TIMEOUT)
+                s.sendto(packet, (server, 53))
+                data = s.recv(4096)
+    except OSError:
+        return None
     rcode = data[3] & 0x0F
     answers = []
     ancount = struct.unpack("!H", data[6:8])[0]
-    pos = 12 + len(packet) - 12  # the question is echoed as sent
+    pos = len(packet)  # the question is echoed as sent
     for _ in range(ancount):
         while data[pos] != 0 and data[pos] < 0xC0:
             pos += data[pos] + 1
@@ -230,18 +241,18 @@ def direct_ip_tls_without_sni() -> None:
     assert request(origin("evil.test"), 443, get("evil.test"), None, CONFIG["origin_ca"]) == b""
 
 
-@attack("DNS to an outside resolver", "UDP/53 is redirected to the gateway's resolver")
+@attack(
+    "DNS to an outside resolver, over UDP and TCP",
+    "port 53 is redirected to the gateway's resolver",
+)
 def dns_outside_resolver() -> None:
     answer = dns_query(CONFIG["outside_dns"], "evil.test")
     assert answer is not None and answer[0] == 5, answer  # REFUSED: the gateway answered
-    with socket.socket() as s:  # DNS over TCP: no name, refused by the proxy
-        s.settimeout(TIMEOUT)
-        try:
-            s.connect((CONFIG["outside_dns"], 53))
-            s.sendall(b"\x00\x1d" + b"\x12\x34" + b"\x01\x00\x00\x01" + b"\x00" * 6)
-            assert s.recv(100) == b""
-        except OSError:
-            pass
+    # DNS over TCP goes to the gateway's resolver too.
+    answer = dns_query(CONFIG["outside_dns"], "evil.test", tcp=True)
+    assert answer is not None and answer[0] == 5, answer
+    answer = dns_query(CONFIG["outside_dns"], "allowed.test", tcp=True)
+    assert answer is not None and answer[1] == [origin("allowed.test")], answer
 
 
 @attack("DNS exfiltration in query names", "names outside the policy are REFUSED, never forwarded")
