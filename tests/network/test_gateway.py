@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from space.gateway import GatewayClient, HostRule, Policy, Secret
-from space.worker.network import NetworkManager
+from space.worker.network import NetworkError, NetworkManager
 from space.worker.network import netns as nsutil
 from tests.network.redteam import attacks
 from tests.network.world import (
@@ -251,9 +251,15 @@ async def test_create_destroy_sweep_leave_nothing(world: World) -> None:
     os.close(fd)
     assert await manager.destroy("t0")
     assert not await manager.destroy("t0")  # idempotent
-    # A "crashed" worker left t1..t9: a new manager's sweep (keeping the world's) removes them.
+    # Two creates of one id at once: one wins, the other fails without harming it.
+    outcomes = await asyncio.gather(
+        manager.create("t0"), manager.create("t0"), return_exceptions=True
+    )
+    assert sum(isinstance(o, NetworkError) for o in outcomes) == 1, outcomes
+    assert nsutil.exists("spt-sb-t0") and await manager.adopt("t0") is not None
+    # A "crashed" worker left t0..t9: a new manager's sweep (keeping the world's) removes them.
     removed = await NetworkManager(NET_CONFIG).sweep(keep=list(world.guests))
-    assert sorted(removed) == sorted(f"spt-sb-t{i}" for i in range(1, 10))
+    assert sorted(removed) == sorted(f"spt-sb-t{i}" for i in range(10))
     assert not [n for n in nsutil.names("spt-sb-t")]
     links = sh("ip", "-o", "link", "show").stdout
     for guest in world.guests.values():

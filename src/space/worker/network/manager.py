@@ -123,7 +123,9 @@ class NetworkManager:
         name = self.netns_name(sandbox_id)
         link = self.host_link_name(sandbox_id)
         async with self._lock:
-            if netns.exists(name):
+            # Also refuse while another create of the same id is under way: its failure clean-up
+            # would otherwise remove the network the first one is building.
+            if netns.exists(name) or sandbox_id in self._used.values():
                 raise NetworkError(f"sandbox {sandbox_id} already has a network")
             free = next((s for s in range(1, self._slots) if s not in self._used), None)
             if free is None:
