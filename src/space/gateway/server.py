@@ -521,19 +521,31 @@ def _apply_secrets(
 
     Secrets are used only over TLS to a bound host; a placeholder anywhere else is refused.
     """
-    text = head[:-4].decode("latin-1")
+    request_line, _, fields = head[:-4].decode("latin-1").partition("\r\n")
     injected: list[str] = []
     for secret in policy.secrets:
         if not secret.placeholder:
             continue
-        found = secret.placeholder in text or secret.placeholder.encode() in body
-        if not found:
+        where = [
+            part
+            for part, found in (
+                ("request target", secret.placeholder in request_line),
+                ("headers", secret.placeholder in fields),
+                ("body", secret.placeholder.encode() in body),
+            )
+            if found
+        ]
+        if not where:
             continue
         if not (tls and secret.bound_to(name)):
             raise Denied(f"placeholder of secret {secret.name!r} sent to a host it is not bound to")
-        text = text.replace(secret.placeholder, secret.value)
+        if where != ["headers"]:
+            # Swapped into a URL or a body, the value could be stored or echoed by the bound
+            # service itself (a search, a paste, an error page): only header values get it.
+            raise Denied(f"placeholder of secret {secret.name!r} outside the request headers")
+        fields = fields.replace(secret.placeholder, secret.value)
         injected.append(secret.name)
-    lines = text.split("\r\n")
+    lines = [request_line, *fields.split("\r\n")]
     out = [lines[0]]
     extra: list[tuple[str, str]] = []
     for secret in policy.secrets:

@@ -381,6 +381,22 @@ def placeholder_to_unbound_host() -> None:
 
 
 @attack(
+    "the placeholder in the URL or body of a request to its bound host (to get the real value "
+    "stored or reflected by that service)",
+    "swapped only in header values; elsewhere refused",
+)
+def placeholder_outside_headers() -> None:
+    placeholder = CONFIG["placeholder"]
+    address = resolve("secret.test")
+    for raw in (
+        get("secret.test", f"/echo?q={placeholder}"),
+        get("secret.test", "/echo", body=f"q={placeholder}".encode(), method="POST"),
+    ):
+        reply = request(address, 443, raw, "secret.test", CONFIG["gateway_ca"])
+        assert reply.startswith(b"HTTP/1.1 403"), reply
+
+
+@attack(
     "DNS rebinding: allowed names resolving to private, loopback, metadata addresses",
     "addresses are checked after the gateway's own resolution; stripped from DNS answers",
 )
