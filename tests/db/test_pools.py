@@ -128,6 +128,7 @@ async def test_concurrent_claims_get_distinct_members(store: Store) -> None:
         await asyncio.sleep(0.05)  # hold the lock while another claim runs
 
     values: dict[str, Any] = {**SHAPE, "env": {"A": "1"}, "metadata": {}, "timeout_s": 60,
+                              "network": None, "secrets": [],
                               "timeout_action": "pause", "idempotency_key": None}  # fmt: skip
     claims = await asyncio.gather(
         *(store.claim_pooled(tenant.id, values, personalise) for _ in range(3))
@@ -155,6 +156,7 @@ async def test_a_member_that_fails_its_claim_is_dropped_and_the_next_one_taken(
             raise PoolMemberBroken("agent gone")
 
     values: dict[str, Any] = {**SHAPE, "env": {}, "metadata": {}, "timeout_s": 60,
+                              "network": None, "secrets": [],
                               "timeout_action": "pause"}  # fmt: skip
     row = await store.claim_pooled(tenant.id, values, personalise)
     assert row is not None and row["id"] == second["id"]

@@ -200,7 +200,7 @@ async def test_create_restores_the_base_snapshot_and_is_idempotent(worker: Worke
     again = await worker.http.put("/vms/second", json={"hostname": "second-host"})
     assert again.json() == second
     health = (await worker.http.get("/health")).json()
-    assert {"id": "second", "state": "running"} in health["vms"]
+    assert {"id": "second", "state": "running", "policy": True} in health["vms"]
     assert health["used"] == {"vcpus": 2, "memory_mib": 512}
     assert (await worker.http.delete("/vms/second")).status_code == 204
 

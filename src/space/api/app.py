@@ -11,10 +11,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from space import __version__
-from space.api import data, errors, metrics, sandboxes, templates, volumes
+from space.api import data, errors, metrics, sandboxes, secrets, templates, volumes
 from space.api.deps import Services
+from space.config import sealing_keys
 from space.db import migrate
 from space.db.listen import Listener
+from space.db.sealing import Sealer
 from space.db.store import Store, connect
 from space.worker.client import WorkerClient
 
@@ -29,7 +31,9 @@ def create_app(database_url: str, worker_secret: str) -> FastAPI:
         listener = Listener(database_url)
         await listener.start()
         workers = WorkerClient(worker_secret)
-        app.state.services = Services(store=store, listener=listener, workers=workers)
+        app.state.services = Services(
+            store=store, listener=listener, workers=workers, sealer=Sealer(sealing_keys())
+        )
         try:
             yield
         finally:
@@ -48,6 +52,7 @@ def create_app(database_url: str, worker_secret: str) -> FastAPI:
     app.include_router(data.router)
     app.include_router(templates.router)
     app.include_router(volumes.router)
+    app.include_router(secrets.router)
     app.include_router(metrics.router)
 
     @app.get("/healthz", include_in_schema=False)

@@ -13,6 +13,7 @@ from fastapi import Depends, Request, WebSocket
 
 from space.api.errors import APIError
 from space.db.listen import Listener
+from space.db.sealing import Sealer
 from space.db.store import Row, Store, Tenant
 from space.worker.client import WorkerClient
 
@@ -24,6 +25,7 @@ class Services:
     store: Store
     listener: Listener
     workers: WorkerClient
+    sealer: Sealer
 
     async def wait_for(self, sandbox_id: str, done: Callable[[Row], bool], timeout: float) -> Row:
         """Until `done(row)`; the last row seen if the timeout passes first."""

@@ -17,14 +17,17 @@ from space.api.deps import Caller, Svc
 from space.api.errors import APIError
 from space.api.metrics import CLAIMS, CREATE
 from space.api.schemas import (
+    AuditList,
     Event,
     EventList,
+    NetworkUpdate,
     Sandbox,
     SandboxCreate,
     SandboxList,
     TimeoutUpdate,
 )
 from space.db.store import PoolMemberBroken, Row
+from space.netpolicy import gateway_policy, placeholder_env, policy_for, with_placeholders
 from space.worker.client import WorkerError
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
@@ -70,10 +73,15 @@ async def create_sandbox(
     started = time.perf_counter()
     values = body.model_dump()
     values["idempotency_key"] = idempotency_key
+    values["secrets"] = with_placeholders(body.secrets)
+    # Every bound secret must be the caller's (404 names the missing one).
+    secret_values = await svc.store.open_secrets(
+        caller.id, sorted({b.secret for b in body.secrets}), svc.sealer
+    )
     # A pool member has no volumes, and its id is not the client's. Only usable templates
     # have members, so a hit needs no look at the template.
     pooled = body.id is None and not body.volumes
-    row = await _claim(svc, caller, values) if pooled else None
+    row = await _claim(svc, caller, values, secret_values) if pooled else None
     created = True
     if row is None:
         if not await svc.store.template_exists(body.template):
@@ -91,17 +99,21 @@ async def create_sandbox(
     return Sandbox.from_row(row)
 
 
-async def _claim(svc: Svc, caller: Caller, values: dict[str, Any]) -> Row | None:
+async def _claim(
+    svc: Svc, caller: Caller, values: dict[str, Any], secret_values: dict[str, str]
+) -> Row | None:
     """A warm-pool member handed over to the caller, or None (a miss, or a repeated request)."""
     key = values["idempotency_key"]
     if key and await svc.store.by_idempotency_key(caller.id, key) is not None:
         return None  # the create path answers with the sandbox made the first time
+    body = {
+        "env": {**values["env"], **placeholder_env(values["secrets"])},
+        "network": gateway_policy(values["network"], values["secrets"], secret_values).model_dump(),
+    }
 
     async def personalise(member: Row, worker_url: str) -> None:
         try:
-            await svc.workers.call(
-                "POST", f"{worker_url}/vms/{member['id']}/claim", json={"env": values["env"]}
-            )
+            await svc.workers.call("POST", f"{worker_url}/vms/{member['id']}/claim", json=body)
         except WorkerError as e:
             raise PoolMemberBroken(e.detail) from e
 
@@ -188,6 +200,38 @@ async def suspend_sandbox(sandbox_id: str, svc: Svc, caller: Caller, wait: Wait 
 @router.put("/{sandbox_id}/timeout", response_model=Sandbox)
 async def set_timeout(sandbox_id: str, body: TimeoutUpdate, svc: Svc, caller: Caller) -> Sandbox:
     return Sandbox.from_row(await svc.store.set_timeout(caller.id, sandbox_id, body.timeout_s))
+
+
+@router.put("/{sandbox_id}/network", response_model=Sandbox)
+async def set_network(sandbox_id: str, body: NetworkUpdate, svc: Svc, caller: Caller) -> Sandbox:
+    """Change the egress policy; a running or paused sandbox gets it at once (its secret
+    bindings stay as they are)."""
+    row = await svc.store.get_sandbox(sandbox_id, caller.id)
+    network = body.network.model_dump()
+    if row["state"] in ("running", "paused") and row["worker_id"]:
+        policy = await policy_for(svc.store, svc.sealer, row, network)
+        worker = await svc.store.worker(row["worker_id"])
+        if worker is None or worker["state"] != "active":
+            raise APIError(503, f"sandbox {sandbox_id}'s worker is not available")
+        await svc.workers.call(
+            "PUT", f"{worker['url']}/vms/{sandbox_id}/network", json=policy.model_dump()
+        )
+    return Sandbox.from_row(await svc.store.set_network(caller.id, sandbox_id, network))
+
+
+@router.get("/{sandbox_id}/audit", response_model=AuditList)
+async def audit(sandbox_id: str, svc: Svc, caller: Caller, after: int = 0) -> AuditList:
+    """Every egress decision the gateway made for this sandbox (allowed or denied, and why)."""
+    row = await svc.store.get_sandbox(sandbox_id, caller.id)
+    worker = await svc.store.worker(row["worker_id"]) if row["worker_id"] else None
+    if worker is None:
+        return AuditList(items=[])  # never placed: nothing was decided for it
+    if worker["state"] != "active":
+        raise APIError(503, f"worker {worker['id']}, which keeps its audit log, is not available")
+    events = await svc.workers.call(
+        "GET", f"{worker['url']}/vms/{sandbox_id}/audit", params={"after": after}
+    )
+    return AuditList(items=events["items"])
 
 
 @router.get("/{sandbox_id}/events", response_model=EventList)

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from space.netpolicy import NetworkPolicy, SecretBinding
+
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]{2,39}$"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 MAX_ENTRIES = 64
@@ -66,11 +68,28 @@ class SandboxCreate(Strict):
     volumes: list[VolumeAttach] = Field(
         default_factory=list, max_length=2, description="volumes to mount (at most 2)"
     )
+    network: NetworkPolicy | None = Field(
+        None, description="egress policy; null: the deployment's default (deny unless set)"
+    )
+    secrets: list[SecretBinding] = Field(
+        default_factory=list, max_length=16,
+        description="your secrets the gateway may send, and to which hosts; the guest never "
+        "sees their values",
+    )  # fmt: skip
 
     @field_validator("env")
     @classmethod
     def env_names(cls, env: dict[str, str]) -> dict[str, str]:
         return _check_env(env)
+
+    @model_validator(mode="after")
+    def placeholders_apart(self) -> SandboxCreate:
+        names = [b.env for b in self.secrets if b.env]
+        if len(set(names)) != len(names) or set(names) & set(self.env):
+            raise ValueError("each secret's env variable must be its own, not also in env")
+        if any(b.placeholder for b in self.secrets):
+            raise ValueError("placeholders are chosen by SPACE")
+        return self
 
     @field_validator("volumes")
     @classmethod
@@ -107,6 +126,10 @@ class Sandbox(BaseModel):
     created_at: datetime
     updated_at: datetime
     volumes: list[VolumeAttach]
+    network: NetworkPolicy | None
+    secrets: list[SecretBinding] = Field(
+        description="bound secrets, each with the placeholder its guest sees (never the value)"
+    )
     boot: Literal["pool", "restore", "cold"] | None = Field(
         description="how it first came to run: claimed from the warm pool, restored from the "
         "template's base snapshot, or booted; null until it runs"
@@ -200,6 +223,31 @@ class BuildRequest(Strict):
 
 class TemplateList(BaseModel):
     items: list[Template]
+
+
+class NetworkUpdate(Strict):
+    network: NetworkPolicy
+
+
+class SecretPut(Strict):
+    value: str = Field(min_length=1, max_length=65536)
+
+
+class SecretInfo(BaseModel):
+    name: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class SecretList(BaseModel):
+    items: list[SecretInfo]
+
+
+class AuditList(BaseModel):
+    items: list[dict[str, Any]] = Field(
+        description="the gateway's decisions for this sandbox, oldest first: at, kind (dns, "
+        "tcp, http, tls…), host, port, verdict (allowed/denied), reason"
+    )
 
 
 class VolumeCreate(Strict):

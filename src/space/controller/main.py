@@ -11,12 +11,14 @@ from functools import partial
 
 from prometheus_client import start_http_server
 
+from space.config import sealing_keys
 from space.controller import upkeep
 from space.controller.leader import Leadership
 from space.controller.pools import Pools
 from space.controller.reconciler import Reconciler
 from space.db import migrate
 from space.db.listen import Listener
+from space.db.sealing import Sealer
 from space.db.store import Store, connect
 from space.worker.client import WorkerClient
 
@@ -45,6 +47,7 @@ def serve_metrics() -> None:
 async def run(database_url: str, worker_secret: str) -> None:
     serve_metrics()
     store = Store(connect(database_url))
+    sealer = Sealer(sealing_keys())
     await migrate.upgrade(store.engine)
     workers = WorkerClient(worker_secret)
     leadership = Leadership(database_url)
@@ -55,11 +58,11 @@ async def run(database_url: str, worker_secret: str) -> None:
             await listener.start()
 
             def health() -> Awaitable[None]:
-                return upkeep.worker_health(store, workers, dead_after_s())
+                return upkeep.worker_health(store, workers, sealer, dead_after_s())
 
             pools = Pools(store)
             loops = [
-                asyncio.ensure_future(Reconciler(store, workers, listener, pools).run()),
+                asyncio.ensure_future(Reconciler(store, workers, listener, pools, sealer).run()),
                 asyncio.ensure_future(pools.run(listener)),
                 asyncio.ensure_future(
                     upkeep.every(1.0, "timeouts", partial(upkeep.timeouts, store))

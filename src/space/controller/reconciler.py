@@ -17,7 +17,9 @@ from typing import Any
 from space.controller.placement import pick_worker
 from space.controller.pools import Pools
 from space.db.listen import Listener
-from space.db.store import Row, Store
+from space.db.sealing import Sealer, SealError
+from space.db.store import Refused, Row, Store
+from space.netpolicy import placeholder_env, policy_for
 from space.worker.client import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,9 @@ FROM = {
 
 class Reconciler:
     def __init__(
-        self, store: Store, workers: WorkerClient, listener: Listener, pools: Pools
+        self, store: Store, workers: WorkerClient, listener: Listener, pools: Pools, sealer: Sealer
     ) -> None:
+        self.sealer = sealer
         self.store = store
         self.workers = workers
         self.listener = listener
@@ -150,12 +153,18 @@ class Reconciler:
         url = await self._worker_url(row)
         if url is None:
             return False  # the health loop deals with sandboxes of dead workers
+        try:
+            policy = await policy_for(self.store, self.sealer, row)
+        except (Refused, SealError) as e:
+            await self.store.transition(row["id"], ["starting"], "error", reason=str(e))
+            return False
         body: dict[str, Any] = {
             "template": row["template"],
             "vcpus": row["vcpus"],
             "memory_mib": row["memory_mib"],
             "disk_mib": row["disk_mib"],
-            "env": row["env"],
+            "env": {**row["env"], **placeholder_env(row["secrets"])},
+            "network": policy.model_dump(),
             "hostname": row["id"],
             "warm": row["pool"],
             "volumes": [

@@ -6,7 +6,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from space.db.store import Conflict, NotFound, Row, Store
+from space.db.sealing import Sealer, SealError
+from space.db.store import Conflict, NotFound, Refused, Row, Store
+from space.netpolicy import policy_for
 from space.worker.client import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,9 @@ async def timeouts(store: Store) -> None:
             pass  # it changed meanwhile
 
 
-async def worker_health(store: Store, workers: WorkerClient, dead_after_s: float) -> None:
+async def worker_health(
+    store: Store, workers: WorkerClient, sealer: Sealer, dead_after_s: float
+) -> None:
     """Workers that stopped heartbeating lose their sandboxes (with a reason) until they return;
     live workers are asked which VMs they really hold."""
     for worker_id in await store.mark_dead_workers(dead_after_s):
@@ -47,10 +51,12 @@ async def worker_health(store: Store, workers: WorkerClient, dead_after_s: float
                         reason=LOST.format(worker["id"], dead_after_s), prev_state=row["state"],
                     )  # fmt: skip
             continue
-        await _verify(store, workers, worker, rows)
+        await _verify(store, workers, sealer, worker, rows)
 
 
-async def _verify(store: Store, workers: WorkerClient, worker: Row, rows: list[Row]) -> None:
+async def _verify(
+    store: Store, workers: WorkerClient, sealer: Sealer, worker: Row, rows: list[Row]
+) -> None:
     """Compare a live worker's VMs with its sandboxes in the database: the VMs a returning
     worker re-adopted go back to where they were; a running or paused sandbox whose VM is gone
     (or broken) is an error with the worker's reason."""
@@ -70,6 +76,16 @@ async def _verify(store: Store, workers: WorkerClient, worker: Row, rows: list[R
             why = (vm or {}).get("reason") or "its VM is gone from the worker"
             await store.transition(row["id"], [row["state"]], "error", reason=str(why),
                                    prev_state=row["state"])  # fmt: skip
+    for row in settled:
+        if vms.get(row["id"], {}).get("policy") is False:
+            # The worker restarted and its VMs have been deny-all since: their policy again.
+            try:
+                policy = await policy_for(store, sealer, row)
+                await workers.call(
+                    "PUT", f"{url}/vms/{row['id']}/network", json=policy.model_dump()
+                )
+            except (Refused, SealError, WorkerError) as e:
+                log.warning("sandbox %s: its egress policy not restored: %s", row["id"], e)
     found = {vm_id: vm["state"] for vm_id, vm in vms.items()}
     for row in lost:
         vm_state = found.get(row["id"])

@@ -85,6 +85,10 @@ sandboxes = sa.Table(
     sa.Column("idempotency_key", sa.Text),
     # [{"volume": id, "path": "/data", "read_only": false}]: where its volumes are mounted
     sa.Column("volumes", JSONB, nullable=False, server_default=sa.text("'[]'::jsonb")),
+    # Egress policy (null: the deployment's default) and bound secrets, each with the
+    # placeholder its guest sees instead of the value (never the value itself).
+    sa.Column("network", JSONB),
+    sa.Column("secrets", JSONB, nullable=False, server_default=sa.text("'[]'::jsonb")),
     # A warm-pool member: owned by POOL_TENANT until a create claims it.
     sa.Column("pool", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("boot", sa.Text),  # how it came to run first: pool, restore or cold
@@ -112,6 +116,17 @@ sandboxes = sa.Table(
         unique=True,
         postgresql_where=sa.text("idempotency_key IS NOT NULL"),
     ),
+)
+
+secrets = sa.Table(
+    "secrets",
+    metadata,
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), primary_key=True),
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("key_id", sa.Text, nullable=False),  # which sealing key encrypted it
+    sa.Column("sealed", sa.LargeBinary, nullable=False),  # nonce + AES-GCM ciphertext
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )
 
 volumes = sa.Table(

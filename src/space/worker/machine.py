@@ -85,6 +85,8 @@ class Machine:
         boot_timeout: float = 90.0,
         vms_dir: Path | None = None,
         drives: tuple[Drive, ...] = (),
+        tap_fd: int | None = None,
+        guest_mac: str | None = None,
     ) -> Machine:
         """Cold boot: clone the template, start the VMM, wait for the agent to answer.
 
@@ -106,6 +108,9 @@ class Machine:
                 hostname=hostname or f"sb-{vm_id}",
                 agent_token=new_token(),
                 drives=drives,
+                tap_fd=tap_fd,
+                nic=tap_fd is not None,
+                guest_mac=guest_mac,
             )
             t1 = time.perf_counter()
             vm = await driver.boot(config, run_dir)
@@ -133,6 +138,7 @@ class Machine:
         timeout: float = 30.0,
         vms_dir: Path | None = None,
         drives: tuple[Drive, ...] | None = None,
+        tap_fd: int | None = None,
     ) -> Machine:
         """Start a VM from a snapshot and give it an identity of its own.
 
@@ -146,7 +152,7 @@ class Machine:
         try:
             disk = run_dir / DISK
             await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
-            config = snapshot.config.with_changes(vm_id=vm_id, rootfs=disk)
+            config = snapshot.config.with_changes(vm_id=vm_id, rootfs=disk, tap_fd=tap_fd)
             if drives is not None:
                 config = config.with_changes(drives=drives)
             t1 = time.perf_counter()

@@ -10,7 +10,9 @@ import secrets
 
 from space.db import migrate
 from space.db.store import Store, connect
-from space.worker.local import local_runtime
+from space.worker import netsetup
+from space.worker.local import LocalRuntime, local_runtime
+from space.worker.network import Egress
 from space.worker.service import serve
 from space.worker.vms import VMManager, meminfo_mib
 
@@ -34,6 +36,28 @@ async def run(
     database_url: str, secret: str, *, worker_id: str, host: str, port: int, url: str
 ) -> None:
     runtime = await local_runtime()
+    egress, gateway = None, None
+    if netsetup.enabled():
+        egress, gateway = await netsetup.start_egress(
+            worker_id, runtime.pool.root / "workers" / worker_id
+        )
+    try:
+        await _serve(runtime, egress, database_url, secret, worker_id, host, port, url)
+    finally:
+        if gateway is not None:
+            await gateway.stop()
+
+
+async def _serve(
+    runtime: LocalRuntime,
+    egress: Egress | None,
+    database_url: str,
+    secret: str,
+    worker_id: str,
+    host: str,
+    port: int,
+    url: str,
+) -> None:
     # An operator may promise more (or less) than the host's defaults.
     manager = VMManager(
         runtime,
@@ -41,6 +65,7 @@ async def run(
         capacity_vcpus=int(os.environ.get("SPACE_WORKER_VCPUS", "0")) or None,
         capacity_memory_mib=int(os.environ.get("SPACE_WORKER_MEMORY_MIB", "0")) or None,
         base_snapshots=os.environ.get("SPACE_WORKER_BASE_SNAPSHOTS", "1") != "0",
+        egress=egress,
     )
     await manager.start()  # re-adopt before announcing ourselves, so recovery finds the VMs
     store = Store(connect(database_url, pool_size=2))

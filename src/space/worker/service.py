@@ -31,6 +31,8 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from space.gateway.client import GatewayError
+from space.gateway.policy import Policy
 from space.problem import problem
 from space.worker.agent_client import (
     AgentClient,
@@ -40,6 +42,7 @@ from space.worker.agent_client import (
     ExecResult,
 )
 from space.worker.builds import Build, BuildRefused, Builds
+from space.worker.network import NetworkError
 from space.worker.vmm.base import VMMError
 from space.worker.vms import (
     VOLUME_ID,
@@ -114,6 +117,8 @@ def as_problem(e: Exception) -> Problem:
         return Problem(502, f"the VM failed: {e}")
     if isinstance(e, ClientDisconnect):
         return Problem(400, "the client went away before its request body was complete")
+    if isinstance(e, GatewayError | NetworkError):
+        return Problem(502, f"the sandbox network failed: {e}")
     raise TypeError(f"no problem for {type(e).__name__}")
 
 
@@ -144,10 +149,12 @@ class CreateBody(Strict):
     disk_mib: int = Field(0, ge=0, le=1 << 20)
     warm: bool = False
     volumes: list[VolumeBody] = Field(default_factory=list, max_length=VOLUME_SLOTS)
+    network: Policy | None = None  # what the gateway lets out (default: nothing)
 
 
 class ClaimBody(Strict):
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
+    network: Policy | None = None
 
 
 class BuildBody(Strict):
@@ -328,7 +335,8 @@ class WorkerAPI:
     async def health(self, request: Request) -> Response:
         vms = []
         for sb in self.manager.vms():
-            entry = {"id": sb.id, "state": sb.state}
+            entry: dict[str, Any] = {"id": sb.id, "state": sb.state,
+                                     "policy": self.manager.policy_known(sb.id)}  # fmt: skip
             if sb.reason:
                 entry["reason"] = sb.reason
             vms.append(entry)
@@ -346,7 +354,7 @@ class WorkerAPI:
         sb = await self.manager.create(
             self._vm_id(request), body.template, body.vcpus, body.memory_mib, body.env,
             body.hostname, body.disk_mib, body.warm,
-            [VolumeMount(**v.model_dump()) for v in body.volumes],
+            [VolumeMount(**v.model_dump()) for v in body.volumes], body.network,
         )  # fmt: skip
         return JSONResponse(
             {"id": sb.id, "state": sb.state, "boot": sb.boot, "took_ms": round(sb.took_ms, 3)}
@@ -354,8 +362,20 @@ class WorkerAPI:
 
     async def claim(self, request: Request) -> Response:
         body = await read_body(ClaimBody, request)
-        sb = await self.manager.claim(self._vm_id(request), body.env)
+        sb = await self.manager.claim(self._vm_id(request), body.env, body.network)
         return JSONResponse({"id": sb.id, "state": sb.state})
+
+    async def set_network(self, request: Request) -> Response:
+        policy = await read_body(Policy, request)
+        await self.manager.set_policy(self._vm_id(request), policy)
+        return Response(status_code=204)
+
+    async def audit(self, request: Request) -> Response:
+        after = request.query_params.get("after", "0")
+        if not after.isdigit():
+            raise Problem(400, "after must be an event number")
+        self.manager.get(self._vm_id(request))  # 404 for VMs this worker does not have
+        return JSONResponse({"items": await self.manager.audit(self._vm_id(request), int(after))})
 
     async def pause(self, request: Request) -> Response:
         sb = await self.manager.pause(self._vm_id(request))
@@ -649,6 +669,8 @@ def make_app(manager: VMManager, secret: str) -> Starlette:
         Route(vm, api.create, methods=["PUT"]),
         Route(vm, api.delete, methods=["DELETE"]),
         Route(f"{vm}/claim", api.claim, methods=["POST"]),
+        Route(f"{vm}/network", api.set_network, methods=["PUT"]),
+        Route(f"{vm}/audit", api.audit, methods=["GET"]),
         Route("/volumes/{volume_id}", api.delete_volume, methods=["DELETE"]),
         Route("/templates/{name}/builds", api.start_build, methods=["POST"]),
         Route("/templates/{name}", api.delete_template, methods=["DELETE"]),
@@ -668,7 +690,15 @@ def make_app(manager: VMManager, secret: str) -> Starlette:
     ]
     handlers = {
         cls: _on_problem
-        for cls in (Problem, VMManagerError, AgentError, VMMError, ClientDisconnect)
+        for cls in (
+            Problem,
+            VMManagerError,
+            AgentError,
+            VMMError,
+            ClientDisconnect,
+            GatewayError,
+            NetworkError,
+        )
     }
     return Starlette(
         routes=routes,

@@ -31,9 +31,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from space.gateway.client import GatewayError
+from space.gateway.policy import Policy
 from space.worker.agent_client import AgentClient, AgentError, ExecProcess
 from space.worker.local import LocalRuntime
 from space.worker.machine import BootImages, Machine
+from space.worker.network import GUEST_MAC, Egress, NetworkError
 from space.worker.templates import TemplateRecord, latest_templates, remove_template
 from space.worker.vmm.base import Drive, SnapshotInfo, VMMError, VMState, VMStateError
 from space.worker.vmm.process import VMMProcess, vmm_pids
@@ -47,6 +50,14 @@ SANDBOX_FILE = "sandbox.json"
 VOLUME_SLOTS = 2
 EMPTY_SLOT = "empty-slot.img"
 START_LOG = "/var/log/space-start.log"  # in the guest: what the template's start command printed
+CA_FILE = "/etc/space/ca.pem"  # in the guest: the gateway's CA
+CA_BUNDLE = "/etc/space/ca-bundle.pem"  # the system's CAs and the gateway's
+CA_ENV = {
+    "SSL_CERT_FILE": CA_BUNDLE,
+    "REQUESTS_CA_BUNDLE": CA_BUNDLE,
+    "CURL_CA_BUNDLE": CA_BUNDLE,
+    "NODE_EXTRA_CA_CERTS": CA_FILE,
+}
 READY_TIMEOUT_S = 300.0
 VOLUME_ID = re.compile(r"^[a-z0-9][a-z0-9-]{2,19}$")  # it is the drive's serial: 20 bytes at most
 # Finds each volume by its serial and mounts it. A restored VM's guest saw an empty slot (size
@@ -220,6 +231,7 @@ class VMManager:
         capacity_memory_mib: int | None = None,
         reconcile_grace_s: float = 30.0,
         base_snapshots: bool = True,
+        egress: Egress | None = None,
     ) -> None:
         if not VM_ID.match(worker_id):
             raise ValueError(f"worker id {worker_id!r} must match {VM_ID.pattern}")
@@ -235,6 +247,11 @@ class VMManager:
         self.reconcile_grace_s = reconcile_grace_s
         # Off: every create boots its VM (slow; for hosts or guests where snapshots misbehave).
         self.base_snapshots = base_snapshots
+        # Without egress VMs have no NIC at all; with it, each has a tap in a namespace of its
+        # own whose traffic only the gateway's policy lets out.
+        self.egress = egress
+        self._policies: dict[str, Policy] = {}  # in force, in memory only (they hold secrets)
+        self._stale: set[str] = set()  # adopted VMs whose policy died with the last worker
         self.root = self.pool.root / "workers" / worker_id
         self.vms_dir = self.root / "vms"
         self.suspended_dir = self.root / "suspended"
@@ -290,6 +307,13 @@ class VMManager:
             except UNREADABLE as e:
                 log.warning("suspended sandbox %s is unreadable, removing it: %s", vm_id, e)
                 shutil.rmtree(self.suspended_dir / vm_id, ignore_errors=True)
+        if self.egress is not None:
+            # Policies lived in the last worker's memory: adopted VMs get nothing out until the
+            # control plane sends theirs again (it sees `policy: false` in /health).
+            live = {sb.id: Policy() for sb in self._vms.values() if sb.machine is not None}
+            for vm_id in await self.egress.start(live):
+                log.warning("VM %s lost its network (rebuilt); its NIC no longer works", vm_id)
+            self._stale = set(live)
 
     def refresh_templates(self) -> None:
         """Make the newest build of every template built in the pool usable."""
@@ -404,6 +428,7 @@ class VMManager:
         disk_mib: int = 0,
         warm: bool = False,
         volumes: Sequence[VolumeMount] = (),
+        policy: Policy | None = None,
     ) -> SandboxVM:
         """A running VM restored from the base snapshot of its shape; the existing one if any.
 
@@ -437,14 +462,16 @@ class VMManager:
             spec = SandboxSpec(
                 template, vcpus, memory_mib, dict(env or {}), hostname or f"sb-{vm_id}",
                 disk_mib, tuple(volumes),
-                template_env=dict(record.env) if record else {},
+                template_env={**(CA_ENV if self.egress else {}),
+                              **(record.env if record else {})},
                 workdir=record.workdir if record else None,
                 user=record.user if record else None,
             )  # fmt: skip
             self._reserve(vm_id, vcpus, memory_mib)
             try:
                 started = time.perf_counter()
-                machine, boot = await self._make(vm_id, spec, images)
+                async with self._network(vm_id, policy or Policy()) as tap_fd:
+                    machine, boot = await self._make(vm_id, spec, images, tap_fd)
                 took_ms = (time.perf_counter() - started) * 1000
                 sb = SandboxVM(vm_id, spec, machine, boot, took_ms)
                 try:
@@ -468,7 +495,39 @@ class VMManager:
             log.info("VM %s created (%s) in %.0f ms", vm_id, sb.boot, sb.took_ms)
             return sb
 
-    async def _make(self, vm_id: str, spec: SandboxSpec, images: BootImages) -> tuple[Machine, str]:
+    @contextlib.asynccontextmanager
+    async def _network(self, vm_id: str, policy: Policy) -> AsyncIterator[int | None]:
+        """The VM's network with `policy` in force, and a tap fd for its VMM (closed after the
+        launch); the network is removed again if the launch fails."""
+        if self.egress is None:
+            yield None
+            return
+        net = await self.egress.attach(vm_id, policy)
+        self._policies[vm_id] = policy
+        self._stale.discard(vm_id)
+        fd = self.egress.manager.open_tap(net)
+        try:
+            yield fd
+        except BaseException:
+            await self._detach(vm_id)
+            raise
+        finally:
+            os.close(fd)
+
+    async def _detach(self, vm_id: str, keep_policy: bool = False) -> None:
+        if self.egress is None:
+            return
+        if not keep_policy:
+            self._policies.pop(vm_id, None)
+            self._stale.discard(vm_id)
+        try:
+            await self.egress.detach(vm_id)
+        except (GatewayError, NetworkError) as e:
+            log.warning("network of %s not fully removed: %s", vm_id, e)
+
+    async def _make(
+        self, vm_id: str, spec: SandboxSpec, images: BootImages, tap_fd: int | None
+    ) -> tuple[Machine, str]:
         """The sandbox's VM and how it was made: restored from the base snapshot of its shape
         ("restore"; "cold" if that snapshot had to be built first), or booted ("cold")."""
         drives = await self._drives(spec.volumes)
@@ -479,7 +538,7 @@ class VMManager:
             try:
                 machine = await Machine.restore(
                     self.driver, self.pool, base, vm_id=vm_id, hostname=spec.hostname,
-                    vms_dir=self.vms_dir, drives=drives,
+                    vms_dir=self.vms_dir, drives=drives, tap_fd=tap_fd,
                 )  # fmt: skip
                 return machine, "cold" if built else "restore"
             except (VMMError, AgentError, TimeoutError) as e:
@@ -490,9 +549,23 @@ class VMManager:
         machine = await Machine.boot(
             self.driver, self.pool, images, vm_id=vm_id, vcpus=spec.vcpus,
             memory_mib=spec.memory_mib, hostname=spec.hostname, vms_dir=self.vms_dir,
-            drives=drives,
+            drives=drives, tap_fd=tap_fd, guest_mac=GUEST_MAC if tap_fd is not None else None,
         )  # fmt: skip
+        if tap_fd is not None:
+            await self._install_ca(machine)
         return machine, "cold"
+
+    async def _install_ca(self, machine: Machine) -> None:
+        """The gateway's CA in the guest's trust store (a bundle next to the system's), so the
+        TLS it terminates verifies; CA_ENV points the usual variables at it."""
+        assert self.egress is not None
+        pem = await self.egress.gateway.ca_pem()
+        await machine.agent.write_file(CA_FILE, pem, make_parents=True)
+        script = f"cat /etc/ssl/certs/ca-certificates.crt {CA_FILE} > {CA_BUNDLE} 2>/dev/null" \
+                 f" || cp {CA_FILE} {CA_BUNDLE}"  # fmt: skip
+        r = await machine.agent.run(["/bin/sh", "-c", script], timeout=30)
+        if r.exit_code != 0:
+            raise VMManagerError(f"installing the gateway CA failed: {r.stderr.decode()}")
 
     async def _drives(self, volumes: Sequence[VolumeMount]) -> tuple[Drive, ...]:
         """The VM's extra drives: its volumes' images (made on first use), then empty slots."""
@@ -525,36 +598,47 @@ class VMManager:
         """The base snapshot for this shape, and whether it had to be built just now."""
         key = f"{template}-{vcpus}-{memory_mib}"
         path = self.base_dir / key
+        made_from = _images_record(images, nic=self.egress is not None)
         async with self._base_locks.hold(key):
             with contextlib.suppress(OSError, ValueError, VMMError):
-                if json.loads((path / IMAGES_FILE).read_text()) == _images_record(images):
+                if json.loads((path / IMAGES_FILE).read_text()) == made_from:
                     return SnapshotInfo.load(path), False
                 log.info("base snapshot %s was made from other images; rebuilding it", key)
             started = time.perf_counter()
-            machine = await Machine.boot(
-                self.driver, self.pool, images, vm_id=f"base-{key}-{uuid.uuid4().hex[:6]}",
-                vcpus=vcpus, memory_mib=memory_mib, vms_dir=self.building_dir,
-                drives=await self._drives(()),
-            )  # fmt: skip
+            build_id = f"base-{key}-{uuid.uuid4().hex[:6]}"
+            # A NIC too when sandboxes get one (a restore needs the same devices); no egress.
+            async with self._network(build_id, Policy()) as tap_fd:
+                machine = await Machine.boot(
+                    self.driver, self.pool, images, vm_id=build_id, vcpus=vcpus,
+                    memory_mib=memory_mib, vms_dir=self.building_dir,
+                    drives=await self._drives(()), tap_fd=tap_fd,
+                    guest_mac=GUEST_MAC if tap_fd is not None else None,
+                )  # fmt: skip
             tmp = self.base_dir / f".{key}.{uuid.uuid4().hex[:8]}"
             try:
                 async with machine:
+                    if self.egress is not None:
+                        await self._install_ca(machine)
                     record = self.records.get(template)
                     if record is not None:
                         await _start_service(machine, record)
                     await machine.snapshot(tmp)
-                _write_private(tmp / IMAGES_FILE, json.dumps(_images_record(images)))
+                _write_private(tmp / IMAGES_FILE, json.dumps(made_from))
                 shutil.rmtree(path, ignore_errors=True)
                 tmp.rename(path)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
+            finally:
+                await self._detach(build_id)
             log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
             return SnapshotInfo.load(path), True
 
-    async def claim(self, vm_id: str, env: Mapping[str, str]) -> SandboxVM:
-        """Hand a warm-pool VM to the tenant that claimed it: their environment, and a fresh
-        clock, RNG state and agent token (it may have waited in the pool for a long time)."""
+    async def claim(
+        self, vm_id: str, env: Mapping[str, str], policy: Policy | None = None
+    ) -> SandboxVM:
+        """Hand a warm-pool VM to the tenant that claimed it: their environment and egress
+        policy, and a fresh clock, RNG state and agent token (it may have waited long)."""
         async with self._locks.hold(vm_id):
             sb = self.get(vm_id)
             machine = _live(sb, "claim")
@@ -562,10 +646,38 @@ class VMManager:
                 raise WrongState(f"cannot claim VM {vm_id}: it is {sb.state}", sb.state)
             if not machine.agent.connected:
                 await machine.reconnect(RECONNECT_TIMEOUT_S)
+            if policy is not None:
+                await self._set_policy(vm_id, policy)
             await machine.renew_identity()
             sb.spec = replace(sb.spec, env=dict(env))
             sb.save(machine.run_dir)
             return sb
+
+    async def set_policy(self, vm_id: str, policy: Policy) -> None:
+        """A new egress policy for a VM, in force at once."""
+        async with self._locks.hold(vm_id):
+            sb = self.get(vm_id)
+            if sb.machine is None:
+                self._policies[vm_id] = policy  # in force when it is resumed
+                return
+            await self._set_policy(vm_id, policy)
+
+    async def _set_policy(self, vm_id: str, policy: Policy) -> None:
+        if self.egress is None:
+            raise InvalidArgument("this worker runs sandboxes without a network")
+        await self.egress.set_policy(vm_id, policy)
+        self._policies[vm_id] = policy
+        self._stale.discard(vm_id)
+
+    def policy_known(self, vm_id: str) -> bool:
+        """False for a VM whose policy died with an earlier worker process (it is deny-all)."""
+        return vm_id not in self._stale
+
+    async def audit(self, vm_id: str, after: int = 0) -> list[dict[str, Any]]:
+        """The gateway's decisions about this VM's traffic, after event number `after`."""
+        if self.egress is None:
+            return []
+        return await self.egress.gateway.audit(sandbox=vm_id, after=after)
 
     async def pause(self, vm_id: str) -> SandboxVM:
         async with self._locks.hold(vm_id):
@@ -591,10 +703,14 @@ class VMManager:
             snap = SnapshotInfo.load(snap_dir)
             self._reserve(vm_id, sb.spec.vcpus, sb.spec.memory_mib)
             try:
-                machine = await Machine.restore(
-                    self.driver, self.pool, snap, vm_id=vm_id, hostname=sb.spec.hostname,
-                    vms_dir=self.vms_dir,
-                )  # fmt: skip
+                policy = self._policies.get(vm_id)
+                async with self._network(vm_id, policy or Policy()) as tap_fd:
+                    machine = await Machine.restore(
+                        self.driver, self.pool, snap, vm_id=vm_id, hostname=sb.spec.hostname,
+                        vms_dir=self.vms_dir, tap_fd=tap_fd,
+                    )  # fmt: skip
+                if policy is None and self.egress is not None:
+                    self._stale.add(vm_id)  # suspended under an earlier worker process
                 try:
                     sb.save(machine.run_dir)
                 except BaseException:
@@ -628,6 +744,7 @@ class VMManager:
                 raise
             await machine.close()
             sb.machine = None
+            await self._detach(vm_id, keep_policy=True)  # a resume attaches it again
             return sb
 
     async def delete(self, vm_id: str) -> bool:
@@ -646,6 +763,7 @@ class VMManager:
                 if leftover.exists():
                     found = True
                     await _kill_leftover(leftover)
+            await self._detach(vm_id)
             return found
 
     async def delete_volume(self, volume_id: str) -> bool:
@@ -805,10 +923,11 @@ def _live(sb: SandboxVM, verb: str) -> Machine:
     return sb.machine
 
 
-def _images_record(images: BootImages) -> dict[str, Any]:
+def _images_record(images: BootImages, nic: bool) -> dict[str, Any]:
     record: dict[str, Any] = {k: str(v) if v is not None else None
                               for k, v in asdict(images).items()}  # fmt: skip
     record["volume_slots"] = VOLUME_SLOTS  # the devices a restore must match
+    record["nic"] = nic
     return record
 
 

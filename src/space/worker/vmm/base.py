@@ -79,6 +79,14 @@ class VMConfig:
     tap_device: str | None = None
     guest_mac: str | None = None
     drives: tuple[Drive, ...] = ()
+    # A NIC on a tap the caller opened (in the sandbox's network namespace): the fd is this
+    # process's, good for one launch, and never saved; `nic` says the machine has the device.
+    tap_fd: int | None = field(default=None, compare=False)
+    nic: bool = False
+
+    @property
+    def has_nic(self) -> bool:
+        return self.nic or self.tap_device is not None
 
     def kernel_cmdline(self, console: str) -> str:
         parts = [
@@ -101,6 +109,7 @@ class VMConfig:
             if data[key] is not None:
                 data[key] = str(data[key])
         data["drives"] = [d.to_json() for d in self.drives]
+        del data["tap_fd"]
         return data
 
     @classmethod

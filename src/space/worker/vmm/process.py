@@ -45,9 +45,14 @@ class VMMProcess:
 
     @classmethod
     def spawn(
-        cls, argv: list[str], log_path: Path, read_files: dict[int, Path] | None = None
+        cls,
+        argv: list[str],
+        log_path: Path,
+        read_files: dict[int, Path] | None = None,
+        fds: dict[int, int] | None = None,
     ) -> VMMProcess:
-        """Start `argv` in a session of its own; `read_files` opens files on given fds for it."""
+        """Start `argv` in a session of its own; `read_files` opens files on given fds for it,
+        `fds` hands it our descriptors (child fd: ours)."""
         binary = shutil.which(argv[0])
         if binary is None:
             raise VMMError(f"{argv[0]} not found")
@@ -58,6 +63,8 @@ class VMMProcess:
         ]
         for fd, path in (read_files or {}).items():
             actions.append((os.POSIX_SPAWN_OPEN, fd, str(path), os.O_RDONLY, 0))
+        for child_fd, ours in (fds or {}).items():
+            actions.append((os.POSIX_SPAWN_DUP2, ours, child_fd))
         pid = os.posix_spawn(binary, argv, dict(os.environ), file_actions=actions, setsid=True)
         return cls(pid, os.pidfd_open(pid), is_child=True)
 

@@ -49,6 +49,7 @@ QEMU_LOG = "qemu.log"
 VM_FILE = "vm.json"
 DRIVE_ID = "drive"  # extra drives are drive0, drive1, …
 STATE_FD = 3
+TAP_FD = 4
 SOCKET_WAIT_S = 10.0
 MIGRATE_BANDWIDTH = 8 << 30  # bytes/s; QEMU's default (32 MiB/s) would make snapshots crawl
 
@@ -334,10 +335,12 @@ class QemuDriver(Driver):
                 "-drive", f"id={DRIVE_ID}{i},file={_qemu_path(drive.path)},format=raw,if=none{ro}",
                 "-device", f"virtio-blk-device,drive={DRIVE_ID}{i},serial={drive.serial}",
             ]  # fmt: skip
-        if config.tap_device:
+        if config.has_nic:
             mac = config.guest_mac or "02:00:00:00:00:01"
+            tap = (f"fd={TAP_FD}" if config.tap_fd is not None
+                   else f"ifname={config.tap_device},script=no,downscript=no")  # fmt: skip
             argv += [
-                "-netdev", f"tap,id=net0,ifname={config.tap_device},script=no,downscript=no",
+                "-netdev", f"tap,id=net0,{tap}",
                 "-device", f"virtio-net-device,netdev=net0,mac={mac}",
             ]  # fmt: skip
         return argv
@@ -358,8 +361,9 @@ class QemuDriver(Driver):
         for name in (QMP_SOCKET, AGENT_SOCKET):
             with contextlib.suppress(FileNotFoundError):
                 (run_dir / name).unlink()
+        fds = {TAP_FD: config.tap_fd} if config.tap_fd is not None else {}
         proc = VMMProcess.spawn(
-            [*self.argv(config, run_dir), *extra], run_dir / QEMU_LOG, read_files
+            [*self.argv(config, run_dir), *extra], run_dir / QEMU_LOG, read_files, fds
         )
         vm = QemuVM(config, run_dir, proc, self.accel)
         try:
@@ -430,7 +434,7 @@ def _check_same_machine(saved: VMConfig, new: VMConfig) -> None:
                 f"cannot restore: {field} is {getattr(new, field)} but the snapshot has "
                 f"{getattr(saved, field)}"
             )
-    if bool(saved.tap_device) != bool(new.tap_device):
+    if saved.has_nic != new.has_nic:
         raise VMMError("cannot restore: the snapshot's VM and this one differ in network devices")
     if len(saved.drives) != len(new.drives):
         raise VMMError(
