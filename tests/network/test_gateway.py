@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import secrets
 import shutil
+import stat
 import statistics
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from space.worker.network import netns as nsutil
 from tests.network.redteam import attacks
 from tests.network.world import (
     BEARER,
+    GATEWAY_USER,
     HEADER_SECRET,
     MAX_CONNECTIONS,
     NET_CONFIG,
@@ -206,6 +209,15 @@ async def test_policy_changes_take_effect_at_once(world: World) -> None:
             assert proc.returncode != 0 and "hello" not in proc.stdout
         finally:
             await gw.set_policy("b", b.net.sandbox_ip, policy_b())
+
+
+def test_gateway_runs_unprivileged_and_its_socket_is_root_only(world: World) -> None:
+    assert world.gateway is not None and world.gateway.pid is not None
+    status = Path(f"/proc/{world.gateway.pid}/status").read_text()
+    uids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
+    assert set(uids) == {str(pwd.getpwnam(GATEWAY_USER).pw_uid)}, uids
+    mode = world.control_socket.stat()
+    assert mode.st_uid == 0 and stat.S_IMODE(mode.st_mode) == 0o600
 
 
 async def test_control_api_rejects_a_bad_policy(world: World) -> None:

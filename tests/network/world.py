@@ -57,6 +57,7 @@ NET_CONFIG = NetworkConfig(
     proxy_port=25001,
     dns_port=25053,
 )
+GATEWAY_USER = "nobody"  # the gateway serves every test unprivileged
 MAX_CONNECTIONS = 64  # per sandbox, low so a test can reach it
 BEARER = "real-bearer-" + secrets.token_hex(8)
 HEADER_SECRET = "real-header-" + secrets.token_hex(8)
@@ -155,6 +156,7 @@ class World:
                 proxy_port=NET_CONFIG.proxy_port,
                 dns_port=NET_CONFIG.dns_port,
                 max_connections=MAX_CONNECTIONS,
+                user=GATEWAY_USER,
             )
         )
         client = await self.gateway.start()

@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import contextlib
 import os
+import pwd
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -26,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--proxy-port", type=int, default=15001)
     p.add_argument("--dns-port", type=int, default=15053)
     p.add_argument("--max-connections", type=int, default=512, help="per sandbox")
+    p.add_argument("--user", help="run as this user once the ports, CA and files are open")
     return p.parse_args(argv)
 
 
@@ -44,31 +47,52 @@ async def run(args: argparse.Namespace) -> None:
         )
     )
     await gateway.start()
-    args.control_socket.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        args.control_socket.unlink()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            make_app(gateway), uds=str(args.control_socket), log_level="warning", lifespan="off"
-        )
-    )
+    control = bind_control(args.control_socket)
+    if args.user:
+        drop_privileges(args.user, gateway.ca.leaf_dir)
+    server = uvicorn.Server(uvicorn.Config(make_app(gateway), log_level="warning", lifespan="off"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    serving = asyncio.create_task(server.serve())
-    os.chmod(args.control_socket, 0o600) if args.control_socket.exists() else None
+    serving = asyncio.create_task(server.serve(sockets=[control]))
     await stop.wait()
     server.should_exit = True
     await serving
     await gateway.close()
 
 
+def bind_control(path: Path) -> socket.socket:
+    """The control socket, made by root with mode 0600 before any privilege is dropped: only
+    root (the worker) can talk to the gateway."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    return sock
+
+
+def drop_privileges(user: str, writable: Path) -> None:
+    """Become `user`: everything that needs root (ports, CA key, audit file) is open by now.
+    `writable` (the leaf certificates' scratch directory) is handed to it."""
+    entry = pwd.getpwnam(user)
+    os.chown(writable, entry.pw_uid, entry.pw_gid)
+    os.setgroups([])
+    os.setgid(entry.pw_gid)
+    os.setuid(entry.pw_uid)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         asyncio.run(run(args))
-    except OSError as e:
+    except (OSError, KeyError) as e:  # KeyError: no such --user
         print(f"space-gateway: {e}", file=sys.stderr)
         sys.exit(1)
 

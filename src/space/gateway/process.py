@@ -23,6 +23,7 @@ class GatewaySettings:
     proxy_port: int = 15001
     dns_port: int = 15053
     max_connections: int = 512
+    user: str | None = None  # drop root to this user once started (recommended)
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "space.gateway",
@@ -33,6 +34,8 @@ class GatewaySettings:
                 "--max-connections", str(self.max_connections)]  # fmt: skip
         if self.upstream_ca is not None:
             argv += ["--upstream-ca", str(self.upstream_ca)]
+        if self.user is not None:
+            argv += ["--user", self.user]
         return argv
 
 

@@ -129,6 +129,7 @@ class Gateway:
         if self._listener is not None:
             self._listener.close()
         self.audit.close()
+        self.ca.close()
 
     def _spawn(self, coro: object) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]

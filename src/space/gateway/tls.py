@@ -6,7 +6,9 @@ import collections
 import datetime
 import ipaddress
 import os
+import shutil
 import ssl
+import tempfile
 import threading
 from pathlib import Path
 
@@ -80,10 +82,14 @@ class CertificateAuthority:
         if not isinstance(key, ec.EllipticCurvePrivateKey):
             raise ValueError(f"{key_path}: expected an EC private key")
         self._key = key
-        self._leaf_dir = directory / "leaves"
-        self._leaf_dir.mkdir(mode=0o700, exist_ok=True)
+        # ssl loads a chain only from a file: each leaf passes through a private directory for a
+        # moment. It is outside the state directory so an unprivileged gateway can own it.
+        self.leaf_dir = Path(tempfile.mkdtemp(prefix="space-gateway-"))
         self._contexts: collections.OrderedDict[str, ssl.SSLContext] = collections.OrderedDict()
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        shutil.rmtree(self.leaf_dir, ignore_errors=True)
 
     @property
     def pem(self) -> bytes:
@@ -120,8 +126,7 @@ class CertificateAuthority:
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .sign(self._key, hashes.SHA256())
         )
-        # ssl can only load a chain from files; they stay next to the CA, readable by root only.
-        path = self._leaf_dir / f"{x509.random_serial_number():x}.pem"
+        path = self.leaf_dir / f"{x509.random_serial_number():x}.pem"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(
