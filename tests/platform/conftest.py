@@ -25,7 +25,9 @@ import pytest
 
 from space.db import embedded, migrate
 from space.db.store import Store, connect
+from space.worker import netsetup
 
+from ..network.world import DNS_IP, World, cleanup
 from ..vm.conftest import vmm_pids
 
 pytestmark = pytest.mark.vm
@@ -82,6 +84,7 @@ class Platform:
     key_b: str
     admin_key: str
     controller_metrics: str
+    internet: World
     api: Service
     controller: Service
     workers: dict[str, Service] = field(default_factory=dict)
@@ -147,6 +150,12 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     if os.geteuid() != 0:
         pytest.fail("the platform tests need root")
     tmp = tmp_path_factory.mktemp("platform")
+    # A small "internet" of namespaces (DNS, HTTP and HTTPS origins) for the gateways.
+    internet = World(tmp / "internet")
+    cleanup()
+    internet.directory.mkdir()
+    internet._internet()
+    assert internet.origin_ca is not None
     pgdata = tmp / "pg"
     url = embedded.start(pgdata)
     key_a, key_b, admin_key = asyncio.run(_bootstrap(url))
@@ -160,6 +169,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         "SPACE_WORKER_VCPUS": "64",
         "SPACE_WORKER_MEMORY_MIB": "16384",
         "SPACE_CONTROLLER_METRICS": metrics,
+        "SPACE_GATEWAY_UPSTREAM_DNS": DNS_IP,
+        "SPACE_GATEWAY_UPSTREAM_CA": str(internet.origin_ca),
     }
     p = Platform(
         api_url=f"http://127.0.0.1:{port}",
@@ -168,6 +179,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         key_b=key_b,
         admin_key=admin_key,
         controller_metrics=f"http://{metrics}/metrics",
+        internet=internet,
         api=Service("api", ["api", "--port", str(port)], env, tmp / "api.log"),
         controller=Service("controller", ["controller"], env, tmp / "controller.log"),
         env=env,
@@ -198,6 +210,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         for wid in p.workers:
             for pid in vmm_pids(pool / wid):
                 os.kill(pid, signal.SIGKILL)
+            asyncio.run(netsetup.remove_networks(wid, pool / wid))
             shutil.rmtree(pool / wid, ignore_errors=True)
         embedded.stop(pgdata)
         shutil.rmtree(pgdata, ignore_errors=True)
+        asyncio.run(internet.stop())

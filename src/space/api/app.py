@@ -31,8 +31,9 @@ def create_app(database_url: str, worker_secret: str) -> FastAPI:
         listener = Listener(database_url)
         await listener.start()
         workers = WorkerClient(worker_secret)
+        sealer = Sealer(sealing_keys(), reload=sealing_keys)
         app.state.services = Services(
-            store=store, listener=listener, workers=workers, sealer=Sealer(sealing_keys())
+            store=store, listener=listener, workers=workers, sealer=sealer
         )
         try:
             yield

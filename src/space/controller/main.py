@@ -47,7 +47,7 @@ def serve_metrics() -> None:
 async def run(database_url: str, worker_secret: str) -> None:
     serve_metrics()
     store = Store(connect(database_url))
-    sealer = Sealer(sealing_keys())
+    sealer = Sealer(sealing_keys(), reload=sealing_keys)
     await migrate.upgrade(store.engine)
     workers = WorkerClient(worker_secret)
     leadership = Leadership(database_url)

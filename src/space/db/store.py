@@ -21,7 +21,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from space.db import tables as t
-from space.db.sealing import Sealer
+from space.db.sealing import Sealer, SealError
 
 CHANNEL = "space_sandbox"
 POOL_TENANT = "tn-pool"  # owns warm-pool members until a create claims one (migration 0002)
@@ -522,8 +522,11 @@ class Store:
                 if r["key_id"] == sealer.current:
                     continue
                 context = _secret_context(r["tenant_id"], r["name"])
-                key_id, sealed = sealer.seal(sealer.open(r["key_id"], bytes(r["sealed"]), context),
-                                             context)  # fmt: skip
+                try:
+                    value = sealer.open(r["key_id"], bytes(r["sealed"]), context)
+                except SealError as e:
+                    raise SealError(f"secret {r['name']} of tenant {r['tenant_id']}: {e}") from None
+                key_id, sealed = sealer.seal(value, context)
                 await c.execute(
                     t.secrets.update()
                     .where(sc.tenant_id == r["tenant_id"], sc.name == r["name"])

@@ -49,6 +49,8 @@ async def start_egress(worker_id: str, worker_dir: Path) -> tuple[Egress, Gatewa
         state_dir=state,
         control_socket=Path("/run/space") / f"gateway-{worker_id}.sock",
         upstream_dns=os.environ.get("SPACE_GATEWAY_UPSTREAM_DNS") or _system_resolver(),
+        # CAs to verify origins by when the gateway terminates TLS (default: the system's).
+        upstream_ca=Path(ca) if (ca := os.environ.get("SPACE_GATEWAY_UPSTREAM_CA")) else None,
         proxy_port=config.proxy_port,
         dns_port=config.dns_port,
     )
@@ -57,6 +59,19 @@ async def start_egress(worker_id: str, worker_dir: Path) -> tuple[Egress, Gatewa
     client = await gateway.start()
     (state / PID_FILE).write_text(str(gateway.pid))
     return Egress(NetworkManager(config), client), gateway
+
+
+async def remove_networks(worker_id: str, worker_dir: Path) -> None:
+    """Everything a worker's networking leaves on the host once its VMs are gone for good
+    (a decommissioned worker, a test's): namespaces, links, its table, its gateway."""
+    _stop_stale_gateway(paths.state_dir() / f"gateway-{worker_id}" / PID_FILE)
+    if not (worker_dir / SETTINGS_FILE).exists():
+        return
+    manager = NetworkManager(
+        await asyncio.to_thread(_config, worker_id, worker_dir / SETTINGS_FILE)
+    )
+    await manager.sweep()
+    await manager.stop()
 
 
 def _config(worker_id: str, path: Path) -> NetworkConfig:

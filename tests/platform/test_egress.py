@@ -1,0 +1,128 @@
+"""Egress through the API, tried from inside a real sandbox: its policy decides what it
+reaches, its secrets reach only their hosts and never its guest, a policy changes while it
+runs, and every decision is in its audit log. (tests/network attacks the gateway itself,
+from a namespace and from a VM; this is the same machinery wired into the platform.)"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import httpx
+
+from ..network.world import BEARER, HEADER_SECRET
+from .conftest import Platform
+from .helpers import create, exec_events, run
+
+FETCH = """
+import sys, urllib.request as u
+req = u.Request(sys.argv[1], headers=dict(h.split(":", 1) for h in sys.argv[2:]))
+try:
+    print(u.urlopen(req, timeout=20).read().decode())
+except Exception as e:
+    print(f"refused: {e}")
+    sys.exit(3)
+"""
+
+
+def fetch(c: httpx.Client, sandbox_id: str, url: str, *headers: str) -> tuple[int, str]:
+    """Exit code and output of an HTTP(S) request made with Python inside the sandbox."""
+    events = exec_events(c, sandbox_id, argv=["python3", "-c", FETCH, url, *headers])
+    out = b"".join(base64.b64decode(e["data"]) for e in events if e["type"] == "stdout")
+    return next(e["exit_code"] for e in events if e["type"] == "exit"), out.decode().strip()
+
+
+def audit(c: httpx.Client, sandbox_id: str) -> list[dict[str, Any]]:
+    r = c.get(f"/v1/sandboxes/{sandbox_id}/audit")
+    assert r.status_code == 200, r.text
+    return list(r.json()["items"])
+
+
+def test_policy_secrets_and_audit_from_inside_a_sandbox(platform: Platform) -> None:
+    with platform.client() as c:
+        assert c.put("/v1/secrets/bearer", json={"value": BEARER}).status_code == 200
+        assert c.put("/v1/secrets/apikey", json={"value": HEADER_SECRET}).status_code == 200
+        listed = c.get("/v1/secrets").json()
+        assert [s["name"] for s in listed["items"]] == ["apikey", "bearer"]
+        assert BEARER not in str(listed) and HEADER_SECRET not in str(listed)
+
+        sb = create(
+            c,
+            network={"hosts": [{"pattern": "allowed.test"}, {"pattern": "secret.test"}]},
+            secrets=[
+                {"secret": "bearer", "hosts": ["secret.test"], "env": "TOKEN"},
+                {"secret": "apikey", "hosts": ["secret.test"], "header": "X-Api-Key"},
+            ],
+        )
+        assert sb["state"] == "running", sb
+        sid = sb["id"]
+        assert BEARER not in str(sb) and HEADER_SECRET not in str(sb)
+
+        # Allowed names answer; anything else does not, by name or by address.
+        code, out = fetch(c, sid, "http://allowed.test/")
+        assert code == 0 and out.startswith("hello from allowed.test"), out
+        assert fetch(c, sid, "http://other.test/")[0] == 3
+        assert fetch(c, sid, "http://203.0.113.13/")[0] == 3
+
+        # The guest holds a placeholder; the bound host receives the real values.
+        out, _, _ = run(c, sid, "echo $TOKEN; cat /proc/cmdline; cat /proc/1/environ")
+        placeholder = out.decode().split()[0]
+        assert placeholder.startswith("space-secret-")
+        assert BEARER.encode() not in out and HEADER_SECRET.encode() not in out
+        _, _, code = run(c, sid, f"grep -rqs {BEARER} /etc /root /tmp /run")
+        assert code == 1  # not in the guest's files either
+        code, out = fetch(c, sid, "https://secret.test/auth", f"Authorization:Bearer {placeholder}")
+        assert (code, out) == (0, "auth-ok"), out
+        code, out = fetch(c, sid, "https://secret.test/header")
+        assert (code, out) == (0, "header-ok"), out
+        # Sent anywhere else, the placeholder is stopped, not swapped.
+        code, out = fetch(c, sid, "http://allowed.test/", f"Authorization:Bearer {placeholder}")
+        assert code == 3, out
+        seen = platform.internet.internet_events()
+        assert not any(placeholder in str(e) for e in seen)
+        assert all(BEARER not in str(e) or e["headers"].get("host") == "secret.test" for e in seen)
+
+        # Every decision is in the audit log, with its reason.
+        events = audit(c, sid)
+        assert any(e["host"] == "other.test" and e["decision"] == "deny" for e in events), events
+        assert any(e["host"] == "secret.test" and e["kind"] == "https" and e["decision"] == "allow"
+                   for e in events), events  # fmt: skip
+
+        # A new policy is in force at once.
+        r = c.put(f"/v1/sandboxes/{sid}/network", json={"network": {"hosts": []}})
+        assert r.status_code == 200 and r.json()["network"]["hosts"] == [], r.text
+        assert fetch(c, sid, "http://allowed.test/")[0] == 3
+
+        # A bound secret stays until its sandbox is gone.
+        r = c.delete("/v1/secrets/bearer")
+        assert r.status_code == 409 and sid in r.json()["detail"]
+        c.delete(f"/v1/sandboxes/{sid}")
+        assert c.delete("/v1/secrets/bearer").status_code == 204
+        assert c.delete("/v1/secrets/apikey").status_code == 204
+
+
+def test_bad_egress_requests_are_refused(platform: Platform) -> None:
+    with platform.client() as c, platform.client(platform.key_b) as b:
+        assert c.put("/v1/secrets/mine", json={"value": "v"}).status_code == 200
+        # B cannot bind A's secret.
+        r = b.post("/v1/sandboxes", json={"secrets": [{"secret": "mine", "hosts": ["x.test"],
+                                                        "header": "X"}]})  # fmt: skip
+        assert r.status_code == 404 and "mine" in r.json()["detail"]
+        for bad in (
+            {"network": {"hosts": [{"pattern": "a b"}]}},
+            {"network": {"default": "maybe"}},
+            {"network": {"cidrs": [{"cidr": "not-a-cidr"}]}},
+            {"secrets": [{"secret": "mine", "hosts": ["x.test"]}]},  # neither header nor env
+            {"secrets": [{"secret": "mine", "hosts": [], "header": "X"}]},
+            {"secrets": [{"secret": "mine", "hosts": ["x.test"], "env": "1BAD"}]},
+            {"secrets": [{"secret": "mine", "hosts": ["x.test"], "env": "A"}], "env": {"A": "x"}},
+            {"secrets": [{"secret": "mine", "hosts": ["x.test"], "env": "A", "placeholder": "p"}]},
+        ):
+            r = c.post("/v1/sandboxes", json=bad)
+            assert r.status_code == 422, (bad, r.text)
+        for name, body, status in (("bad name", {"value": "v"}, 400), ("ok", {}, 422),
+                                   ("ok", {"value": ""}, 422)):  # fmt: skip
+            assert c.put(f"/v1/secrets/{name}", json=body).status_code == status
+        assert c.delete("/v1/secrets/nope").status_code == 404
+        assert b.delete("/v1/secrets/mine").status_code == 404
+        assert c.delete("/v1/secrets/mine").status_code == 204
