@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import fcntl
 import ipaddress
 import json
 import os
@@ -164,6 +165,7 @@ class World:
         return self.egress
 
     def _internet(self) -> None:
+        _lock()
         nsutil.create(INET_NS, lambda: None)
         sh("ip", "link", "add", INET_LINK, "type", "veth", "peer", "name", "eth0",
            "netns", INET_NS)  # fmt: skip
@@ -240,31 +242,57 @@ class World:
         return [json.loads(line) for line in self.internet_log.read_text().splitlines() if line]
 
     async def stop(self) -> None:
-        if self.egress is not None:
+        try:
+            if self.egress is not None:
+                for guest in self.guests.values():
+                    with contextlib.suppress(Exception):
+                        await self.egress.detach(guest.name)
+                await self.egress.gateway.close()
+            if self.gateway is not None:
+                await self.gateway.stop()
+            for proc in self.procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+            for proc in self.procs:
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
             for guest in self.guests.values():
-                with contextlib.suppress(Exception):
-                    await self.egress.detach(guest.name)
-            await self.egress.gateway.close()
-        if self.gateway is not None:
-            await self.gateway.stop()
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for guest in self.guests.values():
-            await self.manager.destroy(guest.name)
-        await self.manager.sweep()
-        await self.manager.stop()
-        cleanup()
+                await self.manager.destroy(guest.name)
+            await self.manager.sweep()
+            await self.manager.stop()
+        finally:
+            cleanup()
+            _unlock()
+
+
+# A world owns host-wide names and routes (203.0.113.0/24, 10.66.0.0/24, `spt-*`): two at once on
+# one host would tear each other down, so each process holds this lock from its first clean-up
+# or world until its world stops; another run waits.
+LOCK = Path("/run/space-test-network-world.lock")
+_lock_fd: int | None = None
+
+
+def _lock() -> None:
+    global _lock_fd
+    if _lock_fd is None:
+        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock_fd = fd
+
+
+def _unlock() -> None:
+    global _lock_fd
+    if _lock_fd is not None:
+        os.close(_lock_fd)  # releases the flock
+        _lock_fd = None
 
 
 def cleanup() -> None:
     """Remove every namespace, link, route and table the world makes (idempotent)."""
+    _lock()
     for name in nsutil.names("spt-"):
         nsutil.remove(name)
         shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
