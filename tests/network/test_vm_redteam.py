@@ -138,6 +138,28 @@ async def test_redteam_suite_from_inside_a_real_vm(tmp_path: Path) -> None:
     assert "auth-ok" not in output and "Bearer ****" in output, output[-2000:]
     assert found[marker], "the search is blind: the control marker was not found"
     assert not found[BEARER] and not found[HEADER_SECRET]
+    if report := os.environ.get("SPACE_SECURITY_REPORT"):
+        Path(report).write_text(security_report(results, found))
+
+
+def security_report(results: list[dict[str, Any]], found: dict[str, bool]) -> str:
+    """SECURITY.md's results section, as this run found them (see SECURITY.md for the rest)."""
+    rows = [
+        f"| `{r['name']}` | {r['technique']} | {r['mitigation']} | **{r['outcome']}** |"
+        for r in results
+    ]
+    memory = "found" if found[BEARER] or found[HEADER_SECRET] else "not found"
+    return "\n".join(
+        [
+            "| attack | technique | expected mitigation | result |",
+            "|---|---|---|---|",
+            *rows,
+            "| `secret_in_guest_memory_and_disk` | search the VM's memory image and disk, after it "
+            "used both secrets, for their values (a control string written by the guest is found) | "
+            f"secrets never enter the guest | **{'held' if memory == 'not found' else 'FAILED'}** |",
+            "",
+        ]
+    )
 
 
 def _search(directory: Path, needles: list[str]) -> dict[str, bool]:

@@ -53,6 +53,7 @@ async def start_egress(worker_id: str, worker_dir: Path) -> tuple[Egress, Gatewa
         upstream_ca=Path(ca) if (ca := os.environ.get("SPACE_GATEWAY_UPSTREAM_CA")) else None,
         proxy_port=config.proxy_port,
         dns_port=config.dns_port,
+        user=os.environ.get("SPACE_GATEWAY_USER", "nobody"),  # it drops root once set up
     )
     settings.control_socket.parent.mkdir(parents=True, exist_ok=True)
     gateway = GatewayProcess(settings)
