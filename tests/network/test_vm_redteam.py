@@ -148,18 +148,14 @@ def security_report(results: list[dict[str, Any]], found: dict[str, bool]) -> st
         f"| `{r['name']}` | {r['technique']} | {r['mitigation']} | **{r['outcome']}** |"
         for r in results
     ]
-    memory = "found" if found[BEARER] or found[HEADER_SECRET] else "not found"
-    return "\n".join(
-        [
-            "| attack | technique | expected mitigation | result |",
-            "|---|---|---|---|",
-            *rows,
-            "| `secret_in_guest_memory_and_disk` | search the VM's memory image and disk, after it "
-            "used both secrets, for their values (a control string written by the guest is found) | "
-            f"secrets never enter the guest | **{'held' if memory == 'not found' else 'FAILED'}** |",
-            "",
-        ]
+    held = not found[BEARER] and not found[HEADER_SECRET]
+    memory_row = (
+        "| `secret_in_guest_memory_and_disk` | search the VM's memory image and disk, after it "
+        "used both secrets, for their values (a control string written by the guest is found) "
+        f"| secrets never enter the guest | **{'held' if held else 'FAILED'}** |"
     )
+    header = ["| attack | technique | expected mitigation | result |", "|---|---|---|---|"]
+    return "\n".join([*header, *rows, memory_row, ""])
 
 
 def _search(directory: Path, needles: list[str]) -> dict[str, bool]:

@@ -6,6 +6,7 @@ from a namespace and from a VM; this is the same machinery wired into the platfo
 from __future__ import annotations
 
 import base64
+import time
 from typing import Any
 
 import httpx
@@ -126,3 +127,25 @@ def test_bad_egress_requests_are_refused(platform: Platform) -> None:
         assert c.delete("/v1/secrets/nope").status_code == 404
         assert b.delete("/v1/secrets/mine").status_code == 404
         assert c.delete("/v1/secrets/mine").status_code == 204
+
+
+def test_ingress_reaches_a_sandbox_port_through_the_api_only(platform: Platform) -> None:
+    with platform.client() as c, platform.client(platform.key_b) as b:
+        sb = create(c)
+        sid = sb["id"]
+        serve = "cd /srv/www && (nohup python3 -m http.server 8000 >/dev/null 2>&1 &)"
+        run(c, sid, f"mkdir -p /srv/www && echo hello-ingress > /srv/www/index.html && {serve}")
+        deadline = time.monotonic() + 30
+        while (r := c.get(f"/v1/sandboxes/{sid}/ports/8000/index.html")).status_code == 502:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.3)
+        assert r.status_code == 200 and r.text == "hello-ingress\n", r.text
+        r = c.post(f"/v1/sandboxes/{sid}/ports/8000/nope", content=b"x" * 1000)
+        assert r.status_code == 501  # http.server has no POST: its own answer comes back
+        # Only through the API, only for the owner.
+        assert httpx.get(f"{platform.api_url}/v1/sandboxes/{sid}/ports/8000/").status_code == 401
+        assert b.get(f"/v1/sandboxes/{sid}/ports/8000/").status_code == 404
+        r = c.get(f"/v1/sandboxes/{sid}/ports/8001/")
+        assert r.status_code == 502 and "8001" in r.json()["detail"]
+        assert c.get(f"/v1/sandboxes/{sid}/ports/0/").status_code == 422
+        c.delete(f"/v1/sandboxes/{sid}")

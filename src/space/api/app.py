@@ -11,7 +11,16 @@ import uvicorn
 from fastapi import FastAPI
 
 from space import __version__
-from space.api import data, errors, metrics, sandboxes, secrets, templates, volumes
+from space.api import (
+    data,
+    errors,
+    ingress,
+    metrics,
+    sandboxes,
+    secrets,
+    templates,
+    volumes,
+)
 from space.api.deps import Services
 from space.config import sealing_keys
 from space.db import migrate
@@ -54,6 +63,7 @@ def create_app(database_url: str, worker_secret: str) -> FastAPI:
     app.include_router(templates.router)
     app.include_router(volumes.router)
     app.include_router(secrets.router)
+    app.include_router(ingress.router)
     app.include_router(metrics.router)
 
     @app.get("/healthz", include_in_schema=False)

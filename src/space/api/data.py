@@ -26,7 +26,7 @@ router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["data"])
 AbsPath = Annotated[str, Query(pattern=r"^/", max_length=4096, description="absolute path")]
 
 
-async def _target(svc: Services, tenant_id: str, sandbox_id: str) -> str:
+async def target(svc: Services, tenant_id: str, sandbox_id: str) -> str:
     return await svc.worker_url(await svc.store.get_sandbox(sandbox_id, tenant_id))
 
 
@@ -61,7 +61,7 @@ async def exec_stream(
     """Run a command; the answer streams NDJSON events: start, stdout, stderr, exit."""
     if body.pty:
         raise APIError(400, "a PTY needs the interactive WebSocket: /exec/ws")
-    url = await _target(svc, caller.id, sandbox_id)
+    url = await target(svc, caller.id, sandbox_id)
     req = body.model_dump(exclude_none=True, exclude={"pty", "rows", "cols"})
     return await relay(svc, "POST", f"{url}/exec", "application/x-ndjson", json=req)
 
@@ -71,7 +71,7 @@ async def exec_ws(websocket: WebSocket, sandbox_id: str) -> None:
     svc: Services = websocket.app.state.services
     try:
         caller = await ws_tenant(websocket)
-        url = await _target(svc, caller.id, sandbox_id)
+        url = await target(svc, caller.id, sandbox_id)
     except (APIError, NotFound) as e:
         await websocket.close(code=4404 if isinstance(e, NotFound) else 4000 + e.status,
                               reason=str(e)[:120])  # fmt: skip
@@ -127,7 +127,7 @@ async def _pump_ws(client: WebSocket, up: AsyncWebSocketSession) -> None:
 
 @router.get("/files", response_class=StreamingResponse)
 async def download(sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller) -> StreamingResponse:
-    url = await _target(svc, caller.id, sandbox_id)
+    url = await target(svc, caller.id, sandbox_id)
     return await relay(svc, "GET", f"{url}/files", "application/octet-stream",
                         params={"path": path})  # fmt: skip
 
@@ -142,7 +142,7 @@ async def upload(
     mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
     make_parents: bool = False,
 ) -> WriteResult:
-    url = await _target(svc, caller.id, sandbox_id)
+    url = await target(svc, caller.id, sandbox_id)
     params = {"path": path, "mode": mode, "make_parents": str(make_parents).lower()}
     async with svc.workers.stream(
         "PUT", f"{url}/files", params=params, content=request.stream()
@@ -152,7 +152,7 @@ async def upload(
 
 @router.get("/files/list", response_model=FileList)
 async def list_files(sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller) -> FileList:
-    url = await _target(svc, caller.id, sandbox_id)
+    url = await target(svc, caller.id, sandbox_id)
     return FileList.model_validate(
         await svc.workers.call("GET", f"{url}/files/list", params={"path": path})
     )
@@ -160,7 +160,7 @@ async def list_files(sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller) -
 
 @router.get("/files/stat", response_model=FileEntry)
 async def stat_file(sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller) -> FileEntry:
-    url = await _target(svc, caller.id, sandbox_id)
+    url = await target(svc, caller.id, sandbox_id)
     return FileEntry.model_validate(
         await svc.workers.call("GET", f"{url}/files/stat", params={"path": path})
     )
@@ -170,7 +170,7 @@ async def stat_file(sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller) ->
 async def remove_file(
     sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller, recursive: bool = False
 ) -> Response:
-    url = await _target(svc, caller.id, sandbox_id)
+    url = await target(svc, caller.id, sandbox_id)
     params = {"path": path, "recursive": str(recursive).lower()}
     await svc.workers.call("DELETE", f"{url}/files", params=params)
     return Response(status_code=204)
@@ -180,7 +180,7 @@ async def remove_file(
 async def make_dir(
     sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller, parents: bool = False
 ) -> FileEntry:
-    url = await _target(svc, caller.id, sandbox_id)
+    url = await target(svc, caller.id, sandbox_id)
     params = {"path": path, "parents": str(parents).lower()}
     return FileEntry.model_validate(
         await svc.workers.call("POST", f"{url}/files/mkdir", params=params)
