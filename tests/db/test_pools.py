@@ -95,6 +95,10 @@ async def test_a_sandbox_without_room_evicts_as_few_members_as_fit_it(store: Sto
     await store.set_pool("base", 3, 1, 256, 1024)
     await worker(store, "w1", memory_mib=800)
     pools = Pools(store)
+    # At most two members are made at once: refills must not crowd out real creates.
+    await pools.tend()
+    assert len(await store.pool_members()) == 2
+    await run_members(store, "w1")
     await pools.tend()
     await run_members(store, "w1")
     assert len(await store.pool_members()) == 3  # 768 of 800 MiB

@@ -218,3 +218,17 @@ def test_the_cli_builds_through_the_api_with_progress(platform: Platform, tmp_pa
     argv[-1] = platform.key_a
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1 and "admin" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_build_steps_reach_the_network_through_the_gateway(platform: Platform) -> None:
+    """A run step downloads (here from the test internet), as `apt-get install` would."""
+    fetch = "import urllib.request as u; print(u.urlopen('http://allowed.test/').read().decode())"
+    text = (
+        '[template]\nname = "fetched"\nfrom = "debian:bookworm"\n[[steps]]\n'
+        "run = '''python3 -c \"" + fetch + "\"'''\n"
+    )
+    with platform.client(platform.admin_key) as admin:
+        tpl, log = build(admin, "fetched", {"spec": text})
+        assert tpl["state"] == "ready", (tpl, log)
+        assert "hello from allowed.test" in log, log
+        assert admin.delete("/v1/templates/fetched").status_code == 200

@@ -163,6 +163,13 @@ def sandbox() -> None:
     metavar="ID:/PATH[:ro]",
     help="Mount a volume (read-only with :ro). Repeatable, at most 2.",
 )
+@click.option(
+    "--allow",
+    multiple=True,
+    metavar="HOST",
+    help="Let it reach this name (or *.domain) on ports 80/443. Repeatable. Without any, the "
+    "deployment's default applies (deny).",
+)
 @_api_command
 async def create(
     space: AsyncSpace,
@@ -176,6 +183,7 @@ async def create(
     metadata: dict[str, str],
     sandbox_id: str | None,
     volumes: list[dict[str, Any]],
+    allow: tuple[str, ...],
 ) -> None:
     """Create a sandbox; prints its id once it is running."""
     sb = await AsyncSandbox.create(
@@ -190,6 +198,7 @@ async def create(
         metadata=metadata or None,
         id=sandbox_id,
         volumes=volumes or None,
+        network={"hosts": [{"pattern": h} for h in allow]} if allow else None,
     )
     if sb.state != "running":
         raise click.ClickException(f"sandbox {sb.id} is {sb.state}: {sb.info.reason or '?'}")

@@ -50,6 +50,10 @@ class CreateOptions(TypedDict, total=False):
     id: str | None  # a client-chosen id: creating it again answers the same sandbox
     # [{"volume": "vol-…", "path": "/data", "read_only": False}]: volumes to mount (at most 2)
     volumes: Sequence[Mapping[str, Any]] | None
+    # {"default": "deny", "hosts": [{"pattern": "pypi.org"}], "cidrs": [...]}: egress policy
+    network: Mapping[str, Any] | None
+    # [{"secret": "name", "hosts": [...], "header": "...", "env": "..."}]: bound secrets
+    secrets: Sequence[Mapping[str, Any]] | None
     idempotency_key: str | None
     wait: bool | None  # False: answer at once, before the sandbox is running
 
@@ -189,10 +193,13 @@ def create(options: CreateOptions) -> Call[SandboxInfo]:
     key = given.pop("idempotency_key", None)
     headers = {"Idempotency-Key": str(key)} if key else {}
     wait = bool(given.pop("wait", True))
-    given.pop("volumes", None)
+    for listed in ("volumes", "secrets"):
+        given.pop(listed, None)
     body = {k: dict(v) if isinstance(v, Mapping) else v for k, v in given.items()}
     if options.get("volumes") is not None:
         body["volumes"] = [dict(v) for v in options.get("volumes") or ()]
+    if options.get("secrets") is not None:
+        body["secrets"] = [dict(v) for v in options.get("secrets") or ()]
     return Call(
         "POST",
         SANDBOXES,

@@ -44,6 +44,12 @@ TARGET = Gauge("space_pool_target", "Members each pool should have", ["template"
 LIVE = Gauge("space_pool_members", "Pool members ready or on their way", ["template"])
 
 
+def refill_concurrency() -> int:
+    """Members of one pool being made at once: refills are background work and must not starve
+    the creates people wait for of the host's CPUs."""
+    return int(os.environ.get("SPACE_POOL_REFILL_CONCURRENCY", "2"))
+
+
 def reserve_mib() -> int:
     """Below this much MemAvailable on a worker's host, its pool members are let go."""
     return int(os.environ.get("SPACE_POOL_RESERVE_MIB", "1024"))
@@ -53,6 +59,7 @@ class Pools:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.reserve_mib = reserve_mib()
+        self.refill_concurrency = refill_concurrency()
 
     async def run(self, listener: Listener) -> None:
         wake = listener.subscribe()
@@ -108,7 +115,9 @@ class Pools:
             ]:
                 have.remove(m)
                 await self._drop(m, "surplus", "the pool shrank")
-            for _ in range(tpl["pool_size"] - len(have)):
+            starting = sum(1 for m in have if m["state"] != "running")
+            room = max(0, self.refill_concurrency - starting)
+            for _ in range(min(tpl["pool_size"] - len(have), room)):
                 open_workers = [w for w in workers if w["id"] not in squeezed]
                 vcpus, mem = tpl["pool_vcpus"], tpl["pool_memory_mib"]
                 worker_id = pick_worker(open_workers, load, vcpus, mem)

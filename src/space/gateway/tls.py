@@ -56,7 +56,13 @@ def make_ca(cert_path: Path, key_path: Path, common: str = "SPACE gateway CA") -
         .sign(key, hashes.SHA256())
     )
     key_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    _write_key(key_path, key)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey, then: bytes = b"") -> None:
+    """A private key (and what follows it, e.g. its certificate) in a file only we can read."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(
             key.private_bytes(
@@ -65,7 +71,7 @@ def make_ca(cert_path: Path, key_path: Path, common: str = "SPACE gateway CA") -
                 serialization.NoEncryption(),
             )
         )
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        f.write(then)
 
 
 class CertificateAuthority:
@@ -127,16 +133,7 @@ class CertificateAuthority:
             .sign(self._key, hashes.SHA256())
         )
         path = self.leaf_dir / f"{x509.random_serial_number():x}.pem"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(
-                key.private_bytes(
-                    serialization.Encoding.PEM,
-                    serialization.PrivateFormat.PKCS8,
-                    serialization.NoEncryption(),
-                )
-            )
-            f.write(cert.public_bytes(serialization.Encoding.PEM))
+        _write_key(path, key, cert.public_bytes(serialization.Encoding.PEM))
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.set_alpn_protocols(["http/1.1"])  # the gateway speaks HTTP/1.1 to the guest

@@ -63,7 +63,7 @@ class Builds:
         self.manager = manager
         images = manager.templates["base"]
         self.env = BuildEnv(manager.driver, manager.pool, images.kernel, images.initrd,
-                            manager.pool.root)  # fmt: skip
+                            manager.pool.root, egress=manager.egress)  # fmt: skip
         self._builds: dict[str, Build] = {}
 
     def start(self, name: str, spec: str, context: bytes, environ: dict[str, str]) -> Build:

@@ -29,14 +29,16 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from space.gateway.policy import Policy
 from space.worker.agent_client import AgentError
 from space.worker.local import LocalRuntime
 from space.worker.machine import BootImages, Machine
+from space.worker.network import GUEST_MAC, Egress
 from space.worker.storage.pool import Pool
 from space.worker.storage.reflink import clone_file
 from space.worker.templates import rootfs
@@ -76,6 +78,9 @@ class BuildEnv:
     kernel: Path
     initrd: Path | None
     root: Path  # holds templates/ and template-cache/; on the pool's file system for reflinks
+    # With it, build VMs reach public names through the gateway (run steps can download);
+    # without it they have no network.
+    egress: Egress | None = None
 
     @classmethod
     def from_runtime(cls, rt: LocalRuntime, root: Path | None = None) -> BuildEnv:
@@ -354,17 +359,55 @@ async def _vm_step(
 ) -> Path:
     images = BootImages(kernel=env.kernel, initrd=env.initrd, rootfs=disk)
     t0 = time.monotonic()
-    m = await Machine.boot(
-        env.driver,
-        env.pool,
-        images,
-        vm_id=f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-        vms_dir=env.build_vms,
-        vcpus=spec.vcpus,
-        memory_mib=spec.memory_mib,
-        hostname=f"build-{spec.name}"[:63],
-    )
-    t1 = time.monotonic()
+    vm_id = f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    async with _build_network(env, vm_id) as tap_fd:
+        m = await Machine.boot(
+            env.driver,
+            env.pool,
+            images,
+            vm_id=vm_id,
+            vms_dir=env.build_vms,
+            vcpus=spec.vcpus,
+            memory_mib=spec.memory_mib,
+            hostname=f"build-{spec.name}"[:63],
+            tap_fd=tap_fd,
+            guest_mac=GUEST_MAC if tap_fd is not None else None,
+        )
+        t1 = time.monotonic()
+        return await _in_build_vm(m, env, spec, step, index, state, cache, key, log, t0, t1)
+
+
+@contextlib.asynccontextmanager
+async def _build_network(env: BuildEnv, vm_id: str) -> AsyncIterator[int | None]:
+    """A build VM's network (public names only, like a sandbox allowed everything), for as
+    long as the VM lives; its tap fd for the VMM."""
+    if env.egress is None:
+        yield None
+        return
+    net = await env.egress.attach(vm_id, Policy(default="allow"))
+    try:
+        fd = env.egress.manager.open_tap(net)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+    finally:
+        await env.egress.detach(vm_id)
+
+
+async def _in_build_vm(
+    m: Machine,
+    env: BuildEnv,
+    spec: TemplateSpec,
+    step: Step,
+    index: int,
+    state: _State,
+    cache: _Cache,
+    key: str,
+    log: Log,
+    t0: float,
+    t1: float,
+) -> Path:
     try:
         if step.kind == "workdir":
             assert step.value is not None
