@@ -83,9 +83,14 @@ async def create_sandbox(
     pooled = body.id is None and not body.volumes
     row = await _claim(svc, caller, values, secret_values) if pooled else None
     created = True
-    if row is None:
+    if row is not None:
+        CLAIMS.labels(body.template, "hit").inc()
+    else:
+        # Checked before any metric names it: labels only ever hold real template names.
         if not await svc.store.template_exists(body.template):
             raise APIError(404, f"no template {body.template!r}")
+        if pooled:
+            CLAIMS.labels(body.template, "miss").inc()
         values["id"] = body.id or f"sb-{secrets.token_hex(8)}"
         row, created = await svc.store.create_sandbox(caller.id, values)
         if wait:
@@ -118,11 +123,9 @@ async def _claim(
             raise PoolMemberBroken(e.detail) from e
 
     try:
-        row = await svc.store.claim_pooled(caller.id, values, personalise)
+        return await svc.store.claim_pooled(caller.id, values, personalise)
     except IntegrityError:
         return None  # the same idempotency key raced us; the create path sorts it out
-    CLAIMS.labels(values["template"], "miss" if row is None else "hit").inc()
-    return row
 
 
 @router.get("/{sandbox_id}", response_model=Sandbox)
