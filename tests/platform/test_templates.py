@@ -223,10 +223,13 @@ def test_the_cli_builds_through_the_api_with_progress(platform: Platform, tmp_pa
 def test_build_steps_reach_the_network_through_the_gateway(platform: Platform) -> None:
     """A run step downloads (here from the test internet), as `apt-get install` would."""
     fetch = "import urllib.request as u; print(u.urlopen('http://allowed.test/').read().decode())"
+    # New each run: the pool's step cache outlives it, and a cached step would not run.
+    once = f"; print({secrets.randbelow(10**9)})"
     text = (
         '[template]\nname = "fetched"\nfrom = "debian:bookworm"\n[[steps]]\n'
-        "run = '''python3 -c \"" + fetch + "\"'''\n"
+        "run = '''python3 -c \"" + fetch + once + "\"'''\n"
     )
+
     with platform.client(platform.admin_key) as admin:
         tpl, log = build(admin, "fetched", {"spec": text})
         assert tpl["state"] == "ready", (tpl, log)

@@ -32,6 +32,19 @@ async def _heartbeat(store: Store, worker_id: str, instance: str) -> None:
             log.warning("heartbeat failed: %s", e)
 
 
+async def _listening(host: str, port: int, serving: asyncio.Future[None]) -> None:
+    probe = "127.0.0.1" if host == "0.0.0.0" else host
+    while not serving.done():
+        try:
+            _, writer = await asyncio.open_connection(probe, port)
+        except OSError:
+            await asyncio.sleep(0.02)
+            continue
+        writer.close()
+        return
+    serving.result()  # it ended before it listened: say why
+
+
 async def run(
     database_url: str, secret: str, *, worker_id: str, host: str, port: int, url: str
 ) -> None:
@@ -71,11 +84,13 @@ async def _serve(
     store = Store(connect(database_url, pool_size=2))
     await migrate.upgrade(store.engine)
     instance = secrets.token_hex(8)
+    serving = asyncio.ensure_future(serve(manager, secret, host, port))
+    # Announced only once it answers: a caller picking it at once must reach it.
+    await _listening(host, port, serving)
     await store.register_worker(
         worker_id, url, instance, manager.capacity_vcpus, manager.capacity_memory_mib
     )
     beating = asyncio.ensure_future(_heartbeat(store, worker_id, instance))
-    serving = asyncio.ensure_future(serve(manager, secret, host, port))
     try:
         await asyncio.wait([beating, serving], return_when=asyncio.FIRST_COMPLETED)
     finally:
