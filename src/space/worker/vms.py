@@ -488,6 +488,7 @@ class VMManager:
                     sb.save(machine.run_dir)
                 except BaseException:
                     await machine.close()
+                    await self._detach(vm_id)
                     raise
             finally:
                 del self._reserved[vm_id]
@@ -715,6 +716,7 @@ class VMManager:
                     sb.save(machine.run_dir)
                 except BaseException:
                     await machine.close()
+                    await self._detach(vm_id, keep_policy=True)
                     raise
             finally:
                 del self._reserved[vm_id]
