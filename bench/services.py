@@ -24,6 +24,7 @@ import httpx
 
 from space.db import embedded, migrate
 from space.db.store import Store, connect
+from space.worker import netsetup
 from space.worker.local import local_runtime
 
 SPACE = [sys.executable, "-m", "space.cli.main"]
@@ -113,4 +114,5 @@ def platform(
         pool = asyncio.run(local_runtime()).pool
         leftover = pool.root / "workers" / p.worker_id
         subprocess.run(["pkill", "-9", "-f", f"{leftover}/"], check=False)
+        asyncio.run(netsetup.remove_networks(p.worker_id, leftover))
         shutil.rmtree(leftover, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import os
 import pwd
 import signal
@@ -16,6 +17,8 @@ import uvicorn
 
 from space.gateway.control import make_app
 from space.gateway.server import Gateway, GatewayConfig
+
+PR_SET_PDEATHSIG = 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dns-port", type=int, default=15053)
     p.add_argument("--max-connections", type=int, default=512, help="per sandbox")
     p.add_argument("--user", help="run as this user once the ports, CA and files are open")
+    p.add_argument("--die-with", type=int, help="end when this process (the parent) ends")
     return p.parse_args(argv)
 
 
@@ -50,6 +54,8 @@ async def run(args: argparse.Namespace) -> None:
     control = bind_control(args.control_socket)
     if args.user:
         drop_privileges(args.user, gateway.ca.leaf_dir)
+    if args.die_with:
+        die_with(args.die_with)  # after dropping root: a change of user clears the setting
     server = uvicorn.Server(uvicorn.Config(make_app(gateway), log_level="warning", lifespan="off"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -76,6 +82,15 @@ def bind_control(path: Path) -> socket.socket:
         os.umask(old)
     sock.listen(64)
     return sock
+
+
+def die_with(pid: int) -> None:
+    """End (SIGTERM) when our parent `pid` ends, however it ends: a gateway whose worker is
+    gone serves nobody, and a worker starting again runs its own."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != pid:
+        raise OSError(f"the process that started the gateway ({pid}) is gone")
 
 
 def drop_privileges(user: str, writable: Path) -> None:

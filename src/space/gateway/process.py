@@ -24,6 +24,7 @@ class GatewaySettings:
     dns_port: int = 15053
     max_connections: int = 512
     user: str | None = None  # drop root to this user once started (recommended)
+    die_with: int | None = None  # a pid: the gateway ends when that process does (its worker)
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "space.gateway",
@@ -36,6 +37,8 @@ class GatewaySettings:
             argv += ["--upstream-ca", str(self.upstream_ca)]
         if self.user is not None:
             argv += ["--user", self.user]
+        if self.die_with is not None:
+            argv += ["--die-with", str(self.die_with)]
         return argv
 
 

@@ -19,6 +19,7 @@ import re
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 from pyroute2 import IPRoute  # type: ignore[import-untyped]
 
@@ -54,6 +55,7 @@ async def start_egress(worker_id: str, worker_dir: Path) -> tuple[Egress, Gatewa
         proxy_port=config.proxy_port,
         dns_port=config.dns_port,
         user=os.environ.get("SPACE_GATEWAY_USER", "nobody"),  # it drops root once set up
+        die_with=os.getpid(),  # however this worker ends, its gateway ends too
     )
     settings.control_socket.parent.mkdir(parents=True, exist_ok=True)
     gateway = GatewayProcess(settings)
@@ -66,11 +68,9 @@ async def remove_networks(worker_id: str, worker_dir: Path) -> None:
     """Everything a worker's networking leaves on the host once its VMs are gone for good
     (a decommissioned worker, a test's): namespaces, links, its table, its gateway."""
     _stop_stale_gateway(paths.state_dir() / f"gateway-{worker_id}" / PID_FILE)
-    if not (worker_dir / SETTINGS_FILE).exists():
-        return
-    manager = NetworkManager(
-        await asyncio.to_thread(_config, worker_id, worker_dir / SETTINGS_FILE)
-    )
+    # Names come from the id alone, so this works even without the worker's saved settings.
+    manager = NetworkManager(_names(worker_id, {"host_range": str(RANGES), "proxy_port": 0,
+                                                "dns_port": 0}))  # fmt: skip
     await manager.sweep()
     await manager.stop()
 
@@ -87,6 +87,11 @@ def _config(worker_id: str, path: Path) -> NetworkConfig:
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(saved))
+    return _names(worker_id, saved)
+
+
+def _names(worker_id: str, saved: dict[str, Any]) -> NetworkConfig:
+    tag = hashlib.sha256(worker_id.encode()).hexdigest()
     return NetworkConfig(
         host_range=str(saved["host_range"]),
         link_prefix=f"s{tag[:3]}-",  # + 10 hex digits: 15 characters, the kernel's limit
