@@ -38,6 +38,7 @@ from space.worker.local import LocalRuntime
 from space.worker.machine import BootImages, Machine
 from space.worker.network import GUEST_MAC, Egress, NetworkError
 from space.worker.templates import TemplateRecord, latest_templates, remove_template
+from space.worker.templates.record import agent_user
 from space.worker.vmm.base import Drive, SnapshotInfo, VMMError, VMState, VMStateError
 from space.worker.vmm.process import VMMProcess, vmm_pids
 from space.worker.vmm.qemu import QMP_SOCKET, QemuDriver
@@ -832,7 +833,7 @@ class VMManager:
         spec = sb.spec
         return await agent.exec(
             cmd, env={**spec.template_env, **spec.env, **(env or {})}, cwd=cwd or spec.workdir,
-            user=user if user is not None else _user_arg(spec.user), timeout=timeout,
+            user=user if user is not None else agent_user(spec.user), timeout=timeout,
             stdin=stdin, pty=pty, rows=rows, cols=cols,
         )  # fmt: skip
 
@@ -842,7 +843,7 @@ async def _start_service(machine: Machine, record: TemplateRecord) -> None:
     until its ready check passes, so every sandbox restored from the snapshot has it running."""
     start = record.start or (shlex.join(record.command) if record.command else None)
     how: dict[str, Any] = {"env": record.env, "cwd": record.workdir,
-                           "user": _user_arg(record.user)}  # fmt: skip
+                           "user": agent_user(record.user)}  # fmt: skip
     if start:
         # Detached, with its output in a file: it outlives this exec and the snapshot.
         script = f"( {start} ) </dev/null >>{START_LOG} 2>&1 &"
@@ -863,14 +864,6 @@ async def _start_service(machine: Machine, record: TemplateRecord) -> None:
                 f"(ready check: exit {r.exit_code}: {out}; its start log is {START_LOG})"
             )
         await asyncio.sleep(0.2)
-
-
-def _user_arg(user: str | None) -> str | int | None:
-    """An image's user ("name", "uid", "uid:gid"): the agent takes a name or a uid."""
-    if user is None:
-        return None
-    name = user.split(":", 1)[0]
-    return int(name) if name.isdigit() else name
 
 
 def _check_volumes(volumes: Sequence[VolumeMount]) -> None:

@@ -43,7 +43,7 @@ from space.worker.storage.pool import Pool
 from space.worker.storage.reflink import clone_file
 from space.worker.templates import rootfs
 from space.worker.templates.errors import BuildError
-from space.worker.templates.record import RECORD_FILE, ROOTFS_FILE, TemplateRecord
+from space.worker.templates.record import RECORD_FILE, ROOTFS_FILE, TemplateRecord, agent_user
 from space.worker.templates.sources import Source, resolve_source, tree_digest
 from space.worker.templates.spec import METADATA_KINDS, Step, TemplateSpec
 from space.worker.vmm.base import Driver
@@ -116,10 +116,7 @@ class _State:
     descriptions: list[str] = field(default_factory=list)
 
     def user_arg(self) -> str | int | None:
-        if self.user is None:
-            return None
-        name = self.user.split(":", 1)[0]  # "uid:gid" or "name:group": the agent takes a user
-        return int(name) if name.isdigit() else name
+        return agent_user(self.user)
 
 
 def _chain(prev: str, part: Mapping[str, Any]) -> str:

@@ -11,6 +11,15 @@ RECORD_FILE = "template.json"
 ROOTFS_FILE = "rootfs.ext4"
 
 
+def agent_user(user: str | None) -> str | int | None:
+    """An image's user ("name", "uid", "uid:gid", "name:group") as the agent takes it: a name
+    or a uid (the group is not used)."""
+    if user is None:
+        return None
+    name = user.split(":", 1)[0]
+    return int(name) if name.isdigit() else name
+
+
 @dataclass(frozen=True)
 class TemplateRecord:
     """What the worker needs to run sandboxes of a template.
