@@ -119,9 +119,8 @@ class Reconciler:
             load = await self.store.worker_load()
             volumes = await self.store.sandbox_volumes(row)
             homes = {v["worker_id"] for v in volumes if v["worker_id"]}
-            template = await self.store.templates(row["template"])
-            if template and template[0]["worker_id"]:
-                homes.add(template[0]["worker_id"])  # built there, and only there
+            if home := await self.store.template_worker(row["template"]):
+                homes.add(home)  # built there, and only there
             if len(homes) > 1:
                 where = ", ".join(sorted(homes))
                 why = f"its template and volumes live on different workers ({where})"

@@ -166,6 +166,13 @@ class Store:
         async with self.engine.connect() as c:
             return (await c.execute(q)).first() is not None
 
+    async def template_worker(self, template_id: str) -> str | None:
+        """The worker a built template lives on (None: on every worker, like `base`)."""
+        tp = t.templates.c
+        async with self.engine.connect() as c:
+            q = sa.select(tp.worker_id).where(tp.id == template_id)
+            return (await c.execute(q)).scalar()
+
     async def begin_build(self, template_id: str, worker_id: str, build_id: str) -> Row:
         """Record a build under way (the template's row is made by its first build)."""
         values = {"state": "building", "worker_id": worker_id, "build_id": build_id,
