@@ -2,15 +2,23 @@
 HTTPS origins, a TCP echo (port 22) and a UDP echo (port 7). It logs what reaches it as JSON
 lines, so tests can assert what did and did not get out.
 
+On its "lenient_ports" (HTTP and HTTPS) every origin is *lenient*, as careless servers are: a
+bare CR or LF ends a line, a folded line is a header of its own, the first Content-Length wins
+and beats Transfer-Encoding, and connections stay open for more requests. Each request it reads
+is logged: a head that a gateway and this origin split differently shows up as a second one.
+
     python internet.py CONFIG.json     (CONFIG: zone, cert/key paths, secrets, log path)
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import re
 import ssl
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +97,10 @@ async def http(
             text = "auth-ok" if ok else "auth-missing"
         elif path == "/echo":  # a careless API that echoes credentials back
             text = f"{headers.get('authorization')} {headers.get('x-api-key')}"
+        elif path.startswith("/echo-"):  # worse: it echoes them in every way HTTP allows
+            echoed = f"{headers.get('authorization')} {headers.get('x-api-key')}"
+            await hostile_echo(writer, path.removeprefix("/echo-"), headers, echoed.encode())
+            return
         elif path == "/header":
             text = (
                 "header-ok"
@@ -110,14 +122,103 @@ async def http(
         pass
 
 
+async def hostile_echo(
+    writer: asyncio.StreamWriter, how: str, headers: dict[str, str], text: bytes
+) -> None:
+    """The credentials sent back so that a byte-exact search cannot find them: split across
+    chunks, gzip- or deflate-encoded (when asked for, or always), in the ranges asked for,
+    with a transfer coding, or with an encoding nobody can search."""
+    accept = headers.get("accept-encoding", "") + headers.get("te", "")
+    head = "HTTP/1.1 {status}\r\nConnection: close\r\n{extra}"
+    status, extra, body = "200 OK", "", text
+    if how == "chunked":  # each chunk a few bytes: every value straddles boundaries
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(text[i : i + 5]), text[i : i + 5])
+                          for i in range(0, len(text), 5))  # fmt: skip
+        writer.write(
+            head.format(status=status, extra="Transfer-Encoding: chunked\r\n\r\n").encode()
+        )
+        for i in range(0, len(chunks), 7):
+            writer.write(chunks[i : i + 7])
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+        return
+    if (how == "gzip" and "gzip" in accept) or how == "gzip-always":
+        extra, body = "Content-Encoding: gzip\r\n", gzip.compress(text)
+    elif how == "gzip-members":  # a harmless first member, the credentials in the second
+        extra, body = "Content-Encoding: gzip\r\n", gzip.compress(b"-") + gzip.compress(text)
+    elif how == "deflate-always":
+        extra, body = "Content-Encoding: deflate\r\n", zlib.compress(text)
+    elif how == "br-always":
+        extra = "Content-Encoding: br\r\n"
+    elif (how == "te" and "gzip" in accept) or how == "te-always":
+        body = gzip.compress(text)
+        body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        extra = "Transfer-Encoding: gzip, chunked\r\n"
+    elif how == "range" and (spec := headers.get("range", "")).startswith("bytes="):
+        first, _, last = spec.removeprefix("bytes=").partition("-")
+        start, end = int(first), int(last) if last else len(text) - 1
+        status, body = "206 Partial Content", text[start : end + 1]
+        extra = f"Content-Range: bytes {start}-{end}/{len(text)}\r\n"
+    elif how == "range-always":  # its first half, asked for or not
+        status, body = "206 Partial Content", text[: len(text) // 2]
+        extra = f"Content-Range: bytes 0-{len(body) - 1}/{len(text)}\r\n"
+    if "Transfer-Encoding" not in extra:
+        extra += f"Content-Length: {len(body)}\r\n"
+    writer.write(head.format(status=status, extra=extra + "\r\n").encode() + body)
+    await writer.drain()
+    writer.close()
+
+
+LENIENT_LINE = re.compile(r"\r\n|\n|\r")
+LENIENT_END = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r(?!\n))")
+
+
+async def lenient(
+    world: World, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, scheme: str
+) -> None:
+    buffer = b""
+    try:
+        while True:
+            while (end := LENIENT_END.search(buffer)) is None:
+                if not (data := await reader.read(65536)):
+                    return
+                buffer += data
+            head, buffer = buffer[: end.start()], buffer[end.end() :]
+            lines = LENIENT_LINE.split(head.decode("latin-1"))
+            method, path = ([*lines[0].split(" "), "", ""])[:2]
+            headers: dict[str, str] = {}
+            for line in lines[1:]:
+                key, _, value = line.strip().partition(":")
+                headers.setdefault(key.strip().lower(), value.strip())
+            length = int(headers.get("content-length", "0") or 0)
+            while len(buffer) < length:
+                if not (data := await reader.read(65536)):
+                    return
+                buffer += data
+            body, buffer = buffer[:length], buffer[length:]
+            world.record(kind="lenient", scheme=scheme, method=method, path=path,
+                         headers=headers, body=body.decode("latin-1"))  # fmt: skip
+            text = f"lenient: {path}".encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(text), text))
+            await writer.drain()
+    except (ConnectionError, ssl.SSLError, ValueError):
+        pass
+    finally:
+        writer.close()
+
+
 async def echo(world: World, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    world.record(kind="tcp-echo", served_by=writer.get_extra_info("sockname")[0])
+    peer = ":".join(map(str, writer.get_extra_info("peername")))
+    world.record(kind="tcp-echo", served_by=writer.get_extra_info("sockname")[0], peer=peer)
     try:
         while data := await reader.read(4096):
             writer.write(data)
             await writer.drain()
     except ConnectionError:
         pass
+    world.record(kind="tcp-echo-closed", peer=peer)  # the gateway let go of it
     writer.close()
 
 
@@ -143,6 +244,11 @@ async def main(config_path: str) -> None:
     await loop.create_datagram_endpoint(lambda: UDPEcho(world), local_addr=("0.0.0.0", 7))
     await asyncio.start_server(lambda r, w: http(world, r, w, "http"), "0.0.0.0", 80)
     await asyncio.start_server(lambda r, w: http(world, r, w, "https"), "0.0.0.0", 443, ssl=tls)
+    ports = config["lenient_ports"]
+    await asyncio.start_server(lambda r, w: lenient(world, r, w, "http"), "0.0.0.0", ports["http"])
+    await asyncio.start_server(
+        lambda r, w: lenient(world, r, w, "https"), "0.0.0.0", ports["https"], ssl=tls
+    )
     await asyncio.start_server(lambda r, w: echo(world, r, w), "0.0.0.0", 22)
     Path(config["ready"]).write_text("ready")
     await asyncio.Event().wait()

@@ -47,9 +47,9 @@ ATTACKS = Path(attacks.__file__)
 def policy_a() -> Policy:
     return Policy(
         hosts=[
-            HostRule(pattern="allowed.test", tls="passthrough"),
+            HostRule(pattern="allowed.test", tls="passthrough", ports=[80, 443, 8080]),
             HostRule(pattern="inspect.test", tls="inspect"),
-            HostRule(pattern="secret.test"),
+            HostRule(pattern="secret.test", ports=[80, 443, 8443]),
             HostRule(pattern="rebind.test"),
             HostRule(pattern="rebind-local.test"),
             HostRule(pattern="metadata.test"),
@@ -115,6 +115,25 @@ def test_origin_saw_real_secrets_never_the_placeholder(
     header = [e for e in events if e.get("path") == "/header"]
     assert header and header[0]["headers"]["x-api-key"] == HEADER_SECRET  # type: ignore[index]
     assert PLACEHOLDER not in world.internet_log.read_text()
+
+
+def test_no_smuggled_request_reached_a_lenient_origin(
+    world: World, redteam: dict[str, dict[str, Any]]
+) -> None:
+    """What the lenient origins (which split heads at any CR or LF) read while the red-team
+    suite tried to smuggle requests past the gateway: only requests it checked, each once, and
+    the credentials only where the gateway put them."""
+    events = [e for e in world.internet_events() if e["kind"] == "lenient"]
+    paths = [str(e["path"]) for e in events]
+    assert paths.count("/one") == 4 and paths.count("/two") == 1, paths  # the positive checks
+    for event in events:
+        text = json.dumps(event)
+        assert "smuggled" not in text and PLACEHOLDER not in text, event
+        headers = dict(event["headers"])  # type: ignore[call-overload]
+        others = {k: v for k, v in headers.items() if k not in ("authorization", "x-api-key")}
+        elsewhere = json.dumps({**event, "headers": others})
+        assert BEARER not in elsewhere and HEADER_SECRET not in elsewhere, event
+        assert headers["x-api-key"] == HEADER_SECRET  # injected on every request to its host
 
 
 def test_secret_echoed_by_the_origin_is_masked(world: World) -> None:
@@ -193,7 +212,8 @@ async def test_audit_log_records_why(world: World, redteam: dict[str, dict[str, 
     ):
         assert expected in reasons, expected
     assert all(e["sandbox"] == "a" for e in events)
-    lines = (world.directory / "gateway" / "audit.jsonl").read_text().splitlines()
+    files = (world.directory / "gateway" / "audit").glob("audit.jsonl*")  # rotated by size
+    lines = [line for f in files for line in f.read_text().splitlines()]
     assert len(lines) >= len(events)
 
 

@@ -1,7 +1,8 @@
 """A small world of real namespaces for the gateway tests and the benchmark.
 
-    internet (netns spt-inet): DNS 203.0.113.53, origins 203.0.113.10-12 (HTTP, HTTPS with a test
-        CA), a "private" origin 10.66.0.10 and TCP/UDP echo services; routed from the host.
+    internet (netns spt-inet): DNS 198.51.100.53, origins 198.51.100.10-12 (HTTP, HTTPS with a test
+        CA), a "private" origin 10.66.0.10, a stand-in metadata service on 169.254.169.254 and
+        TCP/UDP echo services; routed from the host.
     gateway: `python -m space.gateway` as a real process in the host namespace.
     sandboxes: NetworkManager networks; the guest side of each is a veth whose peer `eth0` sits in
         a "guest" namespace configured exactly as a VM's eth0 is (address, MAC, routes). A tap
@@ -28,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -42,12 +44,17 @@ from space.worker.network import netns as nsutil
 HERE = Path(__file__).parent
 INET_NS = "spt-inet"
 INET_LINK = "sptinet0"
-HOST_IP = "203.0.113.1"
-DNS_IP = "203.0.113.53"
-ORIGINS = {"allowed.test": "203.0.113.10", "secret.test": "203.0.113.11",
-           "inspect.test": "203.0.113.12", "other.test": "203.0.113.13",
-           "evil.test": "203.0.113.14"}  # fmt: skip
+HOST_IP = "198.51.100.1"
+DNS_IP = "198.51.100.53"
+ORIGINS = {"allowed.test": "198.51.100.10", "secret.test": "198.51.100.11",
+           "inspect.test": "198.51.100.12", "other.test": "198.51.100.13",
+           "evil.test": "198.51.100.14"}  # fmt: skip
+LENIENT_PORTS = {"http": 8080, "https": 8443}  # every origin, parsing as carelessly as it can
 PRIVATE_ORIGIN = "10.66.0.10"
+OPEN_NETWORK = "10.66.0.0/24"  # the one private network the world's operator opens
+# A stand-in for the cloud metadata service, on its real address inside the internet namespace:
+# no policy may reach it (the host routes it there only while a world runs).
+METADATA_IP = "169.254.169.254"
 ZONE = {**ORIGINS, "rebind.test": PRIVATE_ORIGIN, "rebind-local.test": "127.0.0.1",
         "metadata.test": "169.254.169.254"}  # fmt: skip
 NET_CONFIG = NetworkConfig(
@@ -59,7 +66,21 @@ NET_CONFIG = NetworkConfig(
     dns_port=25053,
 )
 GATEWAY_USER = "nobody"  # the gateway serves every test unprivileged
-MAX_CONNECTIONS = 64  # per sandbox, low so a test can reach it
+# Limits low enough for a test to reach them (a red-team client gives up after 2 s: heads
+# time out later than that).
+MAX_CONNECTIONS = 64  # per sandbox
+MAX_TOTAL_CONNECTIONS = 128
+HEAD_TIMEOUT = 4.0
+IDLE_TIMEOUT = 8.0
+DNS_RATE, DNS_BURST = 50.0, 100
+AUDIT_RING, AUDIT_RINGS = 500, 16  # events per sandbox, sandboxes
+AUDIT_FILE_BYTES, AUDIT_FILES = 64 << 10, 3
+TEST_LIMITS: dict[str, Any] = {
+    "max_connections": MAX_CONNECTIONS, "max_total_connections": MAX_TOTAL_CONNECTIONS,
+    "head_timeout": HEAD_TIMEOUT, "idle_timeout": IDLE_TIMEOUT, "dns_rate": DNS_RATE,
+    "dns_burst": DNS_BURST, "audit_ring": AUDIT_RING, "audit_rings": AUDIT_RINGS,
+    "audit_file_bytes": AUDIT_FILE_BYTES, "audit_files": AUDIT_FILES,
+}  # fmt: skip
 BEARER = "real-bearer-" + secrets.token_hex(8)
 HEADER_SECRET = "real-header-" + secrets.token_hex(8)
 
@@ -119,6 +140,8 @@ class World:
     origin_ca: Path | None = None
     gateway: GatewayProcess | None = None
     egress: Egress | None = None  # the worker's handle: networks + policies
+    # The gateway's limits ({}: its production defaults).
+    limits: dict[str, Any] = field(default_factory=lambda: dict(TEST_LIMITS))
 
     @property
     def control_socket(self) -> Path:
@@ -156,8 +179,10 @@ class World:
                 upstream_ca=self.origin_ca,
                 proxy_port=NET_CONFIG.proxy_port,
                 dns_port=NET_CONFIG.dns_port,
-                max_connections=MAX_CONNECTIONS,
                 user=GATEWAY_USER,
+                open_networks=(OPEN_NETWORK,),
+                closed_networks=(NET_CONFIG.host_range,),
+                **self.limits,
             )
         )
         client = await self.gateway.start()
@@ -166,17 +191,20 @@ class World:
 
     def _internet(self) -> None:
         _lock()
+        _check_unrouted()
         nsutil.create(INET_NS, lambda: None)
         sh("ip", "link", "add", INET_LINK, "type", "veth", "peer", "name", "eth0",
            "netns", INET_NS)  # fmt: skip
         sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", INET_LINK)
         sh("ip", "link", "set", INET_LINK, "up")
-        sh("ip", "route", "add", "10.66.0.0/24", "via", "203.0.113.2")
+        sh("ip", "route", "add", OPEN_NETWORK, "via", "198.51.100.2")
+        sh("ip", "route", "add", f"{METADATA_IP}/32", "via", "198.51.100.2")
         n = ["ip", "-n", INET_NS]
-        sh(*n, "addr", "add", "203.0.113.2/24", "dev", "eth0")
+        sh(*n, "addr", "add", "198.51.100.2/24", "dev", "eth0")
         for address in [DNS_IP, *ORIGINS.values()]:
             sh(*n, "addr", "add", f"{address}/24", "dev", "eth0")
         sh(*n, "addr", "add", f"{PRIVATE_ORIGIN}/32", "dev", "lo")
+        sh(*n, "addr", "add", f"{METADATA_IP}/32", "dev", "lo")
         sh(*n, "link", "set", "eth0", "up")
         sh(*n, "link", "set", "lo", "up")
         sh(*n, "route", "add", "default", "via", HOST_IP)
@@ -184,7 +212,8 @@ class World:
         ready = self.directory / "internet.ready"
         config = {"zone": ZONE, "secrets": {"bearer": BEARER, "header": HEADER_SECRET},
                   "log": str(self.internet_log), "cert": str(cert), "key": str(key),
-                  "dns_ip": DNS_IP, "ready": str(ready)}  # fmt: skip
+                  "dns_ip": DNS_IP, "ready": str(ready),
+                  "lenient_ports": LENIENT_PORTS}  # fmt: skip
         (self.directory / "internet.json").write_text(json.dumps(config))
         self._spawn(
             ["ip", "netns", "exec", INET_NS, sys.executable, str(HERE / "internet.py"),
@@ -236,6 +265,13 @@ class World:
             env={**os.environ, **(env or {})},
         )  # fmt: skip
 
+    async def spawn_in_guest(self, guest: Guest, argv: list[str]) -> asyncio.subprocess.Process:
+        """A process in `guest`, its stdin and stdout piped, running while the test goes on."""
+        return await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", guest.netns, *argv, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+
     def internet_events(self) -> list[dict[str, object]]:
         if not self.internet_log.exists():
             return []
@@ -268,9 +304,9 @@ class World:
             _unlock()
 
 
-# A world owns host-wide names and routes (203.0.113.0/24, 10.66.0.0/24, `spt-*`): two at once on
-# one host would tear each other down, so each process holds this lock from its first clean-up
-# or world until its world stops; another run waits.
+# A world owns host-wide names and routes (198.51.100.0/24, 10.66.0.0/24, 169.254.169.254,
+# `spt-*`): two at once on one host would tear each other down, so each process holds this lock
+# from its first clean-up or world until its world stops; another run waits.
 LOCK = Path("/run/space-test-network-world.lock")
 _lock_fd: int | None = None
 
@@ -290,6 +326,16 @@ def _unlock() -> None:
         _lock_fd = None
 
 
+def _check_unrouted() -> None:
+    """The world routes its ranges into a namespace; over a range this host already reaches some
+    other way (a proxy, a registry), it would cut the host off until the world stops."""
+    for network in (f"{HOST_IP}/24", OPEN_NETWORK, f"{METADATA_IP}/32"):
+        routes = sh("ip", "-4", "route", "show", "match", network).stdout.splitlines()
+        taken = [line for line in routes if not line.startswith("default")]
+        if taken:
+            raise RuntimeError(f"the test world's {network} is routed on this host: {taken}")
+
+
 def cleanup() -> None:
     """Remove every namespace, link, route and table the world makes (idempotent)."""
     _lock()
@@ -297,7 +343,8 @@ def cleanup() -> None:
         nsutil.remove(name)
         shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
     sh("ip", "link", "del", INET_LINK, check=False)
-    sh("ip", "route", "del", "10.66.0.0/24", check=False)
+    sh("ip", "route", "del", OPEN_NETWORK, check=False)
+    sh("ip", "route", "del", f"{METADATA_IP}/32", check=False)
     links = sh("ip", "-o", "link", "show").stdout
     for line in links.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
@@ -321,6 +368,7 @@ def guest_config(
         "origin_ca": str(world.origin_ca),
         "gateway_ca": str(world.gateway_ca),
         "placeholder": placeholder,
+        "lenient_ports": LENIENT_PORTS,
         "interface": "eth0",
         "can_spoof": True,
     }

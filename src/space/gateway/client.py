@@ -48,6 +48,11 @@ class GatewayClient:
         body = SandboxPolicy(address=address, policy=policy).model_dump_json()
         await self._call("PUT", f"/sandboxes/{sandbox_id}", content=body)
 
+    async def sandbox(self, sandbox_id: str) -> dict[str, Any] | None:
+        """Its address, policy (no secret values), open connections and refusal counts."""
+        response = await self._call("GET", f"/sandboxes/{sandbox_id}")
+        return None if response.status_code == 404 else dict(response.json())
+
     async def remove(self, sandbox_id: str) -> bool:
         return (await self._call("DELETE", f"/sandboxes/{sandbox_id}")).status_code == 204
 

@@ -26,7 +26,10 @@ def _problem(status: int, title: str, detail: str) -> JSONResponse:
 
 def make_app(gateway: Gateway) -> Starlette:
     async def health(request: Request) -> Response:
-        return JSONResponse({"ok": True, "sandboxes": len(gateway.sandboxes)})
+        return JSONResponse(
+            {"ok": True, "sandboxes": len(gateway.sandboxes), "connections": gateway.open,
+             "audit": gateway.audit.stats()}
+        )  # fmt: skip
 
     async def put_sandbox(request: Request) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
@@ -46,7 +49,12 @@ def make_app(gateway: Gateway) -> Starlette:
             return _problem(404, "no such sandbox", "the gateway has no policy for it")
         # Secret values never leave the gateway.
         policy = sandbox.policy.model_dump(exclude={"secrets": {"__all__": {"value"}}})
-        return JSONResponse({"sandbox": sandbox.id, "address": sandbox.address, "policy": policy})
+        return JSONResponse(
+            {"sandbox": sandbox.id, "address": sandbox.address, "policy": policy,
+             "connections": len(sandbox.connections),
+             "refused": {"connections": sandbox.refusals.refused,
+                         "dns": sandbox.dns_refusals.refused}}
+        )  # fmt: skip
 
     async def delete_sandbox(request: Request) -> Response:
         found = gateway.remove(request.path_params["sandbox_id"])
@@ -58,8 +66,12 @@ def make_app(gateway: Gateway) -> Starlette:
             after, limit = int(q.get("after", "0")), int(q.get("limit", "1000"))
         except ValueError:
             return _problem(400, "bad query", "after and limit are integers")
-        events = gateway.audit.events(q.get("sandbox"), after, limit)
-        return JSONResponse({"events": [e.to_json() for e in events]})
+        sandbox = q.get("sandbox")
+        events = gateway.audit.events(sandbox, after, limit)
+        # `dropped`: older events of this sandbox (everyone's, without one) no longer in memory.
+        return JSONResponse(
+            {"events": [e.to_json() for e in events], "dropped": gateway.audit.dropped(sandbox)}
+        )
 
     async def ca(request: Request) -> Response:
         return Response(gateway.ca.pem, media_type="application/x-pem-file")

@@ -21,12 +21,16 @@ import dns.rdatatype
 import dns.resolver
 import dns.rrset
 
-from space.gateway.policy import IPAddress, normalize_name
+from space.gateway.policy import normalize_name
+from space.networks import IPAddress
 
 if TYPE_CHECKING:
+    from space.gateway.sandboxes import Sandbox
     from space.gateway.server import Gateway
 
 ANSWERED_TYPES = {dns.rdatatype.A, dns.rdatatype.AAAA, dns.rdatatype.CNAME}
+MAX_PENDING = 32  # a sandbox's queries waiting on the upstream at once
+MAX_UPSTREAM = 256  # the gateway's, all sandboxes together (each holds a socket)
 
 
 class Upstream:
@@ -39,19 +43,22 @@ class Upstream:
         self.resolver.port = port
         self.resolver.lifetime = timeout
         self.resolver.cache = dns.resolver.Cache()
+        self._slots = asyncio.Semaphore(MAX_UPSTREAM)
 
     async def addresses(self, name: str) -> list[IPAddress]:
         try:
-            answer = await self.resolver.resolve(name, "A")
+            async with self._slots:
+                answer = await self.resolver.resolve(name, "A")
         except (dns.exception.DNSException, OSError):
             return []
         return [ipaddress.ip_address(r.to_text()) for r in answer]
 
     async def forward(self, query: dns.message.Message) -> dns.message.Message:
         # A truncated answer is fetched again over TCP, so guests get it whole.
-        reply, _ = await dns.asyncquery.udp_with_fallback(
-            query, self.host, timeout=self.timeout, port=self.port
-        )
+        async with self._slots:
+            reply, _ = await dns.asyncquery.udp_with_fallback(
+                query, self.host, timeout=self.timeout, port=self.port
+            )
         return reply
 
 
@@ -80,14 +87,14 @@ class DNSProtocol(asyncio.DatagramProtocol):
         except dns.exception.DNSException:
             audit.record(sandbox.id, "dns", "deny", "malformed query")
             return
-        reply = await answer(self.gateway, sandbox.id, query)
+        reply = await budgeted(self.gateway, sandbox, query)
         if self.transport is not None:
             # Over UDP an answer too large for the query's buffer is cut; TCP gets it whole.
             self.transport.sendto(reply.to_wire(max_size=max(512, query.payload)), addr)
 
 
 async def serve_tcp(
-    gateway: Gateway, sandbox_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    gateway: Gateway, sandbox: Sandbox, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
     """DNS over TCP (RFC 7766): length-prefixed queries, answered like UDP ones."""
     try:
@@ -98,13 +105,35 @@ async def serve_tcp(
             except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
                 return
             except dns.exception.DNSException:
-                gateway.audit.record(sandbox_id, "dns", "deny", "malformed query over TCP")
+                gateway.audit.record(sandbox.id, "dns", "deny", "malformed query over TCP")
                 return
-            wire = (await answer(gateway, sandbox_id, query)).to_wire()
+            wire = (await budgeted(gateway, sandbox, query)).to_wire()
             writer.write(len(wire).to_bytes(2, "big") + wire)
             await writer.drain()
     finally:
         writer.close()
+
+
+async def budgeted(
+    gateway: Gateway, sandbox: Sandbox, query: dns.message.Message
+) -> dns.message.Message:
+    """The reply to a query, or REFUSED while the sandbox is over its rate (or has too many
+    queries waiting on the upstream): a flood must not slow its neighbours' lookups."""
+    if sandbox.dns_pending >= MAX_PENDING or not sandbox.dns.take():
+        if sandbox.dns_refusals.first():  # once per run of refusals, not per query
+            reason = (f"over {sandbox.dns.rate:g} queries/s (bursts of {sandbox.dns.burst}): "
+                      "REFUSED until it slows down")  # fmt: skip
+            gateway.audit.record(sandbox.id, "dns", "deny", reason)
+        reply = dns.message.make_response(query)
+        reply.set_rcode(dns.rcode.REFUSED)
+        return reply
+    if sandbox.dns.full:
+        sandbox.dns_refusals.end()  # back under its rate for a while: a new run is logged again
+    sandbox.dns_pending += 1
+    try:
+        return await answer(gateway, sandbox.id, query)
+    finally:
+        sandbox.dns_pending -= 1
 
 
 async def answer(
@@ -137,11 +166,14 @@ async def answer(
         reply.set_rcode(dns.rcode.SERVFAIL)
         return reply
     rule = policy.host_rule(name, 443) or policy.host_rule(name, 80)
+    floor = gateway.config.floor
     reply.set_rcode(upstream.rcode())
     stripped = False
     for rrset in upstream.answer:
         if rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
-            keep = [r for r in rrset if policy.dialable(ipaddress.ip_address(r.to_text()), rule)]
+            keep = [
+                r for r in rrset if policy.dialable(ipaddress.ip_address(r.to_text()), rule, floor)
+            ]
             stripped |= len(keep) != len(rrset)
             if not keep:
                 continue

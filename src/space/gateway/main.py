@@ -15,7 +15,9 @@ from pathlib import Path
 
 import uvicorn
 
+from space.gateway import audit, limits
 from space.gateway.control import make_app
+from space.gateway.policy import EgressFloor
 from space.gateway.server import Gateway, GatewayConfig
 
 PR_SET_PDEATHSIG = 1
@@ -27,10 +29,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--control-socket", type=Path, default=Path("/run/space/gateway.sock"))
     p.add_argument("--upstream-dns", required=True, help="resolver the gateway asks, HOST[:PORT]")
     p.add_argument("--upstream-ca", type=Path, default=None, help="CA bundle for upstream TLS")
+    p.add_argument("--ca-dir", type=Path, default=None, help="the CA to sign with (ca.pem, ca.key)")
     p.add_argument("--listen", default="0.0.0.0")
     p.add_argument("--proxy-port", type=int, default=15001)
     p.add_argument("--dns-port", type=int, default=15053)
     p.add_argument("--max-connections", type=int, default=512, help="per sandbox")
+    p.add_argument(
+        "--open-network",
+        action="append",
+        default=[],
+        help="a private network sandbox policies may reach (repeat)",
+    )
+    p.add_argument(
+        "--closed-network",
+        action="append",
+        default=[],
+        help="never dialled, even inside an open network: sandbox ranges (repeat)",
+    )
+    p.add_argument("--max-total-connections", type=int, default=8192, help="all sandboxes")
+    p.add_argument("--head-timeout", type=float, default=10.0, help="seconds for a request head")
+    p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds with nothing moving")
+    p.add_argument("--dns-rate", type=float, default=100.0, help="queries/s per sandbox")
+    p.add_argument("--dns-burst", type=int, default=200, help="queries at once per sandbox")
+    p.add_argument("--audit-ring", type=int, default=1000, help="events in memory per sandbox")
+    p.add_argument("--audit-rings", type=int, default=256, help="sandboxes kept in memory")
+    p.add_argument("--audit-file-bytes", type=int, default=64 << 20, help="rotated past this")
+    p.add_argument("--audit-files", type=int, default=5, help="rotated files kept")
     p.add_argument("--user", help="run as this user once the ports, CA and files are open")
     p.add_argument("--die-with", type=int, help="end when this process (the parent) ends")
     return p.parse_args(argv)
@@ -38,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def run(args: argparse.Namespace) -> None:
     host, _, port = args.upstream_dns.partition(":")
+    total = descriptors_for(args.max_total_connections)
     gateway = Gateway(
         GatewayConfig(
             state_dir=args.state_dir,
@@ -47,13 +72,24 @@ async def run(args: argparse.Namespace) -> None:
             proxy_port=args.proxy_port,
             dns_port=args.dns_port,
             upstream_ca_file=args.upstream_ca,
-            max_connections=args.max_connections,
+            ca_dir=args.ca_dir,
+            max_connections=min(args.max_connections, total // 2),
+            max_total_connections=total,
+            head_timeout=args.head_timeout,
+            idle_timeout=args.idle_timeout,
+            dns_rate=args.dns_rate,
+            dns_burst=args.dns_burst,
+            audit=audit.Limits(
+                args.audit_ring, args.audit_rings, args.audit_file_bytes, args.audit_files
+            ),
+            floor=EgressFloor(open_networks=args.open_network, closed_networks=args.closed_network),
         )
     )
     await gateway.start()
     control = bind_control(args.control_socket)
     if args.user:
-        drop_privileges(args.user, gateway.ca.leaf_dir)
+        # It writes leaf certificates for a moment, and rotates the audit files.
+        drop_privileges(args.user, [gateway.ca.leaf_dir, gateway.audit.directory])
     if args.die_with:
         die_with(args.die_with)  # after dropping root: a change of user clears the setting
     server = uvicorn.Server(uvicorn.Config(make_app(gateway), log_level="warning", lifespan="off"))
@@ -66,6 +102,18 @@ async def run(args: argparse.Namespace) -> None:
     server.should_exit = True
     await serving
     await gateway.close()
+
+
+def descriptors_for(total: int) -> int:
+    """Raise RLIMIT_NOFILE (while still root) to what `total` connections need; the total that
+    fits if it cannot be raised that far."""
+    got = limits.raise_nofile(limits.fds_needed(total))
+    if got < limits.fds_needed(total):
+        fits = max(2, (got - limits.RESERVED_FDS) // 2)
+        print(f"space-gateway: {got} file descriptors allow {fits} connections, not {total}",
+              file=sys.stderr)  # fmt: skip
+        return min(total, fits)
+    return total
 
 
 def bind_control(path: Path) -> socket.socket:
@@ -93,11 +141,12 @@ def die_with(pid: int) -> None:
         raise OSError(f"the process that started the gateway ({pid}) is gone")
 
 
-def drop_privileges(user: str, writable: Path) -> None:
+def drop_privileges(user: str, writable: list[Path]) -> None:
     """Become `user`: everything that needs root (ports, CA key, audit file) is open by now.
-    `writable` (the leaf certificates' scratch directory) is handed to it."""
+    The directories in `writable` are handed to it."""
     entry = pwd.getpwnam(user)
-    os.chown(writable, entry.pw_uid, entry.pw_gid)
+    for directory in writable:
+        os.chown(directory, entry.pw_uid, entry.pw_gid)
     os.setgroups([])
     os.setgid(entry.pw_gid)
     os.setuid(entry.pw_uid)

@@ -1,4 +1,4 @@
-"""Names from the first bytes of a connection: TLS ClientHello SNI, HTTP/1 Host."""
+"""The server name in the first bytes of a TLS connection (its ClientHello's SNI)."""
 
 from __future__ import annotations
 
@@ -48,31 +48,3 @@ def tls_sni(data: bytes) -> str | None:
     except (IndexError, struct.error, UnicodeDecodeError):
         raise ValueError("malformed ClientHello") from None
     return None
-
-
-def http_host(data: bytes) -> tuple[str, str]:
-    """(method, Host without port) of an HTTP/1 request head; Incomplete if cut short."""
-    end = data.find(b"\r\n\r\n")
-    if end < 0:
-        if len(data) > 65536:
-            raise ValueError("request head too large")
-        raise Incomplete
-    lines = data[:end].decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise ValueError("not an HTTP/1 request")
-    hosts = [
-        v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:]) if k.lower() == "host"
-    ]
-    if len(hosts) != 1:
-        raise ValueError("an HTTP request needs exactly one Host header")
-    return parts[0], strip_port(hosts[0])
-
-
-def strip_port(host: str) -> str:
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    if host.count(":") == 1:
-        return host.rsplit(":", 1)[0].rstrip(".")
-    return host.rstrip(".")

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import http.client
 import json
 import os
 import random
+import re
 import socket
 import ssl
 import struct
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,7 +346,9 @@ def domain_fronting_passthrough() -> None:
     )
 
 
-@attack("HTTP CONNECT and absolute-form request tricks", "CONNECT refused; target must match Host")
+@attack(
+    "HTTP CONNECT and absolute-form request tricks", "CONNECT refused; target must match Host (400)"
+)
 def connect_tricks() -> None:
     address = resolve("allowed.test")
     for target in ("evil.test:443", "allowed.test:443", origin("evil.test") + ":22"):
@@ -352,7 +357,7 @@ def connect_tricks() -> None:
         )
         assert not ok(reply), (target, reply)
     reply = request(address, 80, b"GET http://evil.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
-    assert reply.startswith(b"HTTP/1.1 403"), reply
+    assert reply.startswith(b"HTTP/1.1 400"), reply
     two_hosts = b"GET / HTTP/1.1\r\nHost: allowed.test\r\nHost: evil.test\r\n\r\n"
     assert not ok(request(address, 80, two_hosts))
 
@@ -394,6 +399,148 @@ def placeholder_outside_headers() -> None:
     ):
         reply = request(address, 443, raw, "secret.test", CONFIG["gateway_ca"])
         assert reply.startswith(b"HTTP/1.1 403"), reply
+
+
+def lenient(name: str, raw: bytes, tls: bool = True) -> bytes:
+    """`raw` sent to `name`'s lenient origin (tests/network/internet.py), through the gateway."""
+    ports = CONFIG["lenient_ports"]
+    if not tls:
+        return request(resolve(name), ports["http"], raw)
+    return request(resolve(name), ports["https"], raw, name, CONFIG["gateway_ca"])
+
+
+@attack(
+    "request smuggling: a head a lenient origin splits where the gateway does not (bare LF, "
+    "bare CR, obs-fold, NUL, two Content-Lengths, Transfer-Encoding with Content-Length, two "
+    "Hosts), so a second, unchecked request reaches the bound origin with the credentials",
+    "every head parsed strictly (h11); ambiguous ones refused (400); the origin only ever gets "
+    "a head rebuilt from the parsed fields",
+)
+def request_smuggling() -> None:
+    p = CONFIG["placeholder"]
+    second = f"GET /smuggled?k={p} HTTP/1.1\nHost: secret.test\nAuthorization: Bearer {p}\n\n"
+    cl = len(second)
+    variants = {
+        "bare LF": f"GET /a HTTP/1.1\r\nHost: secret.test\r\nX-A: 1\nContent-Length: 0\n\n{second}"
+        f"X-B: 2\r\nAuthorization: Bearer {p}\r\n\r\n",
+        "bare CR": "GET /a HTTP/1.1\r\nHost: secret.test\r\nX-A: 1\rContent-Length: 0\r\r"
+        + second.replace("\n", "\r")
+        + f"X-B: 2\r\nAuthorization: Bearer {p}\r\n\r\n",
+        "obs-fold": f"POST /a HTTP/1.1\r\nHost: secret.test\r\nContent-Length: {cl}\r\nX-A: 1\r\n"
+        f" Content-Length: 0\r\n\r\n{second}",
+        "NUL": "GET /a HTTP/1.1\r\nHost: secret.test\r\nX-A: 1\0\r\n\r\n",
+        "two Content-Lengths": f"POST /a HTTP/1.1\r\nHost: secret.test\r\nContent-Length: 0\r\n"
+        f"Content-Length: {cl}\r\n\r\n{second}",
+        "same Content-Length twice": f"POST /a HTTP/1.1\r\nHost: secret.test\r\n"
+        f"Content-Length: {cl}\r\nContent-Length: {cl}\r\n\r\n{second}",
+        "Content-Length list": f"POST /a HTTP/1.1\r\nHost: secret.test\r\n"
+        f"Content-Length: {cl}, {cl}\r\n\r\n{second}",
+        "Transfer-Encoding and Content-Length": f"POST /a HTTP/1.1\r\nHost: secret.test\r\n"
+        f"Content-Length: 0\r\nTransfer-Encoding: chunked\r\n\r\n{cl:x}\r\n{second}\r\n0\r\n\r\n",
+        "two Hosts": "GET /a HTTP/1.1\r\nHost: secret.test\r\nHost: evil.test\r\n\r\n",
+    }
+    for label, raw in variants.items():
+        reply = lenient("secret.test", raw.encode("latin-1"))
+        assert reply.startswith(b"HTTP/1.1 400"), (label, reply[:300])
+        assert b"lenient:" not in reply, (label, reply[:300])
+    # Plain HTTP: a smuggled request to another host behind an allowed one.
+    raw = (b"GET /a HTTP/1.1\r\nHost: allowed.test\r\nX-A: 1\nContent-Length: 0\n\n"
+           b"GET /smuggled HTTP/1.1\nHost: evil.test\n\r\n\r\n")  # fmt: skip
+    reply = lenient("allowed.test", raw, tls=False)
+    assert reply.startswith(b"HTTP/1.1 400") and b"lenient:" not in reply, reply[:300]
+
+
+@attack(
+    "absolute-form targets: userinfo (`http://allowed.test:80@evil.test/`, checked as the "
+    "allowed name by a naive parser), an authority other than Host, another scheme",
+    "refused (400): the target must agree with Host and the connection",
+)
+def absolute_form_tricks() -> None:
+    address = resolve("allowed.test")
+    for target, status in (
+        ("http://allowed.test:80@evil.test/", b"400"),
+        ("http://allowed.test@evil.test/", b"400"),
+        ("http://evil.test/", b"400"),
+        ("http://allowed.test:8080/", b"400"),
+        ("https://allowed.test/", b"400"),
+    ):
+        raw = f"GET {target} HTTP/1.1\r\nHost: allowed.test\r\n\r\n".encode()
+        reply = request(address, 80, raw)
+        assert reply.startswith(b"HTTP/1.1 " + status), (target, reply[:200])
+
+
+@attack(
+    "keep-alive requests served one by one, pipelined on one connection",
+    "each is parsed, checked and answered in turn",
+    positive=True,
+)
+def keep_alive_works() -> None:
+    raw = get("secret.test", "/one") + get("secret.test", "/two", "Connection: close\r\n")
+    reply = lenient("secret.test", raw)
+    assert reply.count(b"HTTP/1.1 200") == 2, reply
+    assert reply.index(b"lenient: /one") < reply.index(b"lenient: /two"), reply
+
+
+@attack(
+    "keep-alive: a first request that passes, then on the same connection one to another host, "
+    "one with the placeholder in its URL, one with it in its body",
+    "every request on a connection is checked: the later ones are refused",
+)
+def keep_alive_requests_each_checked() -> None:
+    p = CONFIG["placeholder"]
+    for second in (
+        get("evil.test", "/two"),
+        get("secret.test", f"/two?k={p}"),
+        get("secret.test", "/two", body=f"k={p}".encode(), method="POST"),
+    ):
+        reply = lenient("secret.test", get("secret.test", "/one") + second)
+        assert reply.count(b"HTTP/1.1 200") == 1 and b"lenient: /one" in reply, reply
+        assert b"HTTP/1.1 403" in reply and b"lenient: /two" not in reply, reply
+
+
+def echo(path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """(status, body as a client decodes it) of `path` on the bound host, which echoes the
+    credentials it was sent (tests/network/internet.py: hostile_echo)."""
+    ctx = ssl.create_default_context(cafile=CONFIG["gateway_ca"])
+    conn = http.client.HTTPSConnection("secret.test", 443, context=ctx, timeout=TIMEOUT)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {CONFIG['placeholder']}",
+                                           **headers})  # fmt: skip
+        response = conn.getresponse()
+        body = response.read()
+        if response.getheader("Content-Encoding", "") in ("gzip", "deflate"):
+            body = zlib.decompress(body, 32 + zlib.MAX_WBITS)
+        return response.status, body
+    finally:
+        conn.close()
+
+
+MASKED = re.compile(rb"-?Bearer \*{8,} \*{8,}")  # both credentials, overwritten
+
+
+@attack(
+    "get a secret echoed back past a byte-exact mask: split across chunk boundaries, gzip "
+    "asked for (Accept-Encoding, TE) or sent anyway (two members), deflate, a transfer coding, "
+    "two Range halves, an encoding nobody can search",
+    "the gateway asks for identity and no range; decodes chunked, gzip and deflate and masks "
+    "across pieces; refuses (502) a body it cannot search",
+)
+def echoed_secret_bypasses() -> None:
+    for path, headers in (
+        ("/echo-chunked", {}),
+        ("/echo-gzip", {"Accept-Encoding": "gzip"}),
+        ("/echo-gzip-always", {}),
+        ("/echo-gzip-members", {}),
+        ("/echo-deflate-always", {"Accept-Encoding": "deflate"}),
+        ("/echo-te", {"TE": "gzip"}),
+        ("/echo-range", {"Range": "bytes=0-20"}),
+        ("/echo-range", {"Range": "bytes=21-"}),
+    ):
+        status, body = echo(path, headers)
+        assert status == 200 and MASKED.fullmatch(body), (path, headers, status, body)
+    for path in ("/echo-br-always", "/echo-te-always", "/echo-range-always"):
+        status, body = echo(path, {})
+        assert status == 502 and b"Bearer" not in body, (path, status, body)
 
 
 @attack(
