@@ -7,22 +7,29 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import click
 
-from space.config import new_sealing_key, sealing_keys, state_secret_path
+from space.cli.output import json_option, print_json, print_table
 from space.db import embedded, migrate
 from space.db.sealing import Sealer, SealError
 from space.db.store import Store, connect
+from space.identity import MAX_WORKER_ID, WORKER_ID
+from space.quotas import UNITS, Quotas
+from space.settings import Settings, new_sealing_key
 
 T = TypeVar("T")
 
 
 def _run(fn: Callable[[Store], Awaitable[T]]) -> T:
     async def go() -> T:
-        store = Store(connect(embedded.database_url(), pool_size=1))
+        settings = Settings.from_env()
+        url = embedded.database_url(settings.database_url, settings.state_dir)
+        store = Store(connect(url, pool_size=1))
         try:
             await migrate.upgrade(store.engine)
             return await fn(store)
@@ -35,6 +42,27 @@ def _run(fn: Callable[[Store], Awaitable[T]]) -> T:
 @click.group()
 def admin() -> None:
     """Tenants and API keys (operators only: this talks to the database directly)."""
+
+
+@admin.command("migrate")
+def migrate_() -> None:
+    """Bring the database to the newest schema and print its revision.
+
+    Every service also upgrades as it starts; a deployment runs this first on a rollout, so new
+    pods find their schema ready (concurrent upgrades queue on one advisory lock)."""
+    click.echo(_run(lambda store: migrate.revision(store.engine)))
+
+
+@admin.command("join-token")
+@click.argument("worker_id")
+@click.option("--ttl", type=click.IntRange(60, 7 * 86400), default=3600, show_default=True,
+              help="seconds it may be used within")  # fmt: skip
+def join_token(worker_id: str, ttl: int) -> None:
+    """Print a one-time token the worker WORKER_ID trades for its certificate (mutual TLS:
+    SPACE_WORKER_JOIN_TOKEN_FILE). Shown once; only its hash is stored."""
+    if len(worker_id) > MAX_WORKER_ID or not re.fullmatch(WORKER_ID, worker_id):
+        raise click.BadParameter("a worker id is a DNS name (lower case)", param_hint="WORKER_ID")
+    click.echo(_run(lambda store: store.create_join_token(worker_id, timedelta(seconds=ttl))))
 
 
 @admin.command("create-key")
@@ -63,6 +91,60 @@ def revoke_key(key_id: str) -> None:
     click.echo(f"revoked {key_id}")
 
 
+@admin.command("quota")
+@click.argument("tenant")
+@click.option("--set", "changes", multiple=True, metavar="NAME=N",
+              help=f"override one quota ({', '.join(UNITS)}); repeat for more")  # fmt: skip
+@click.option("--reset", is_flag=True, help="back to the deployment's defaults (SPACE_QUOTA_*)")
+def quota(tenant: str, changes: tuple[str, ...], reset: bool) -> None:
+    """Show TENANT's quotas and use, after the overrides given (kept in the database)."""
+    overrides: dict[str, int] = {}
+    for change in changes:
+        name, sep, value = change.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise click.BadParameter(f"{change!r} is not NAME=N", param_hint="--set")
+        overrides[name.strip()] = int(value)
+    settings = Settings.from_env()
+
+    async def go(store: Store) -> tuple[Quotas, dict[str, int]]:
+        found = await store.tenant_named(tenant)
+        if found is None:
+            raise click.ClickException(f"no tenant {tenant!r}")
+        if reset or overrides:
+            current = {} if reset else (await store.quota_overrides(found.id))
+            await store.set_quotas(found.id, {**current, **overrides})
+        return await store.quotas_of(found.id, settings.quotas)
+
+    try:
+        limits, used = _run(go)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    for name, limit in limits.as_dict().items():
+        click.echo(f"{name:<12} {used[name]:>10} of {limit:<10} {UNITS[name]}")
+
+
+@admin.command("workers")
+@json_option
+def workers(as_json: bool) -> None:
+    """The hosts: what each admits, what admission counts in use (measured), and its health."""
+    from space.api.workers import describe
+
+    async def go(store: Store) -> list[Any]:
+        return describe(await store.workers(), await store.worker_load())
+
+    items = _run(go)
+    if as_json:
+        print_json([i.model_dump(mode="json") for i in items])
+        return
+    print_table(
+        ("ID", "STATE", "SANDBOXES", "VCPUS", "MEMORY (MEASURED)", "GUEST RAM", "PROBLEM"),
+        [(i.id, i.state, f"{i.sandboxes} ({i.pool_members} pool)", f"{i.vcpus_used}/{i.vcpus}",
+          f"{i.memory_used_mib}/{i.memory_mib} MiB", f"{i.guest_memory_mib} MiB",
+          i.problem or "") for i in items],
+        empty="no workers",
+    )  # fmt: skip
+
+
 @admin.command("rotate-secrets-key")
 def rotate_secrets_key() -> None:
     """Seal every secret with a new key (the old ones stay readable until this finishes).
@@ -70,15 +152,16 @@ def rotate_secrets_key() -> None:
     With SPACE_SECRETS_KEYS set, put a new key first in it (id:base64 of 32 bytes) for every
     process, then run this; without it, this makes the new key itself. Running processes pick
     the new key up when they first meet a value sealed with it."""
-    path = state_secret_path("secrets-keys")
-    if not os.environ.get("SPACE_SECRETS_KEYS"):
+    settings = Settings.from_env()
+    path = settings.state_secret_path("secrets-keys")
+    if not settings.secrets_keys:
         keys = path.read_text().strip() if path.exists() else ""
         tmp = path.with_name(f".secrets-keys.{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(",".join(k for k in (new_sealing_key(), keys) if k))
         tmp.replace(path)
-    sealer = Sealer(sealing_keys())
+    sealer = Sealer(settings.load_sealing_keys())
     try:
         n = _run(lambda store: store.reseal_secrets(sealer))
     except SealError as e:

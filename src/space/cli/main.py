@@ -1,48 +1,93 @@
-"""The `space` command."""
+"""The `space` command.
+
+Its subcommands are imported only when used (see `lazy.py`): keep this module and the light
+command modules (`sandbox`, `checkpoints`, `pools`, `volumes`, `completion`) free of imports
+beyond click and the standard library at their top.
+"""
 
 from __future__ import annotations
-
-import logging
 
 import click
 
 from space import __version__
-from space.cli.admin import admin
-from space.cli.images import image
-from space.cli.pools import pool
-from space.cli.sandbox import cp, exec_, sandbox, shell
-from space.cli.services import api, controller, up, worker
-from space.cli.templates import template
-from space.cli.vm import vm
-from space.cli.volumes import volume
+from space.cli.lazy import LazyCommand, LazyGroup
+
+COMMANDS = {
+    # Through the HTTP API (the SDK)
+    "sandbox": LazyCommand("space.cli.sandbox:sandbox", "Create, list and change sandboxes."),
+    "exec": LazyCommand(
+        "space.cli.sandbox:exec_", "Run a command in a sandbox, streaming its output."
+    ),
+    "shell": LazyCommand("space.cli.sandbox:shell", "Open an interactive terminal in a sandbox."),
+    "cp": LazyCommand("space.cli.sandbox:cp", "Copy a file into or out of a sandbox."),
+    "checkpoint": LazyCommand(
+        "space.cli.checkpoints:checkpoint",
+        "Checkpoints: a sandbox's memory and disk at one moment, to roll back to or fork from.",
+    ),
+    "fork": LazyCommand(
+        "space.cli.checkpoints:fork",
+        "Make running children of a sandbox (it runs on); prints their ids, one a line.",
+    ),
+    "pool": LazyCommand(
+        "space.cli.pools:pool",
+        "Warm pools: sandboxes kept restored and ready, so creates of their shape take a claim.",
+    ),
+    "volume": LazyCommand(
+        "space.cli.volumes:volume",
+        "Volumes: mount one in a sandbox with `space sandbox create --volume ID:/path[:ro]`.",
+    ),
+    # On this host
+    "template": LazyCommand(
+        "space.cli.templates:template", "Build and list templates on this host."
+    ),
+    "image": LazyCommand(
+        "space.cli.images:image",
+        "Build the guest kernel and template images (cached; --force rebuilds).",
+    ),
+    "vm": LazyCommand(
+        "space.cli.vm:vm", "Boot and drive single microVMs on this host (debugging)."
+    ),
+    "doctor": LazyCommand(
+        "space.cli.doctor:doctor",
+        "Check that this host can run SPACE: KVM, devices, storage, network, tools.",
+    ),
+    # The platform's services, and its operators
+    "up": LazyCommand(
+        "space.cli.services:up",
+        "Bring the whole platform up on this machine and print how to use it.",
+    ),
+    "api": LazyCommand("space.cli.services:api", "Run the HTTP API server."),
+    "controller": LazyCommand(
+        "space.cli.services:controller",
+        "Run a controller replica (one leads; the others stand by).",
+    ),
+    "worker": LazyCommand("space.cli.services:worker", "Run the worker service of this host."),
+    "admin": LazyCommand(
+        "space.cli.admin:admin",
+        "Tenants and API keys (operators only: this talks to the database directly).",
+    ),
+    "completion": LazyCommand(
+        "space.cli.completion:completion",
+        "Print the shell completion script for bash, zsh or fish.",
+    ),
+}
 
 
-@click.group()
+@click.group(cls=LazyGroup, lazy=COMMANDS)
 @click.version_option(__version__, prog_name="space")
 @click.option("-v", "--verbose", is_flag=True, help="Log what happens underneath.")
 def cli(verbose: bool) -> None:
     """SPACE: sandboxed microVMs for agents."""
+    import logging
+
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
 
 
-cli.add_command(vm)
-cli.add_command(image)
-cli.add_command(sandbox)
-cli.add_command(exec_)
-cli.add_command(shell)
-cli.add_command(cp)
-cli.add_command(template)
-cli.add_command(pool)
-cli.add_command(volume)
-for command in (up, api, controller, worker, admin):
-    cli.add_command(command)
-
-
 def main() -> None:
-    cli()
+    cli(prog_name="space")
 
 
 if __name__ == "__main__":

@@ -7,77 +7,74 @@ from --api-url/--api-key, then SPACE_API_URL/SPACE_API_KEY, then the credentials
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import functools
-import json
 import os
 import re
 import sys
-import tempfile
-from collections.abc import Callable, Coroutine, Iterator
-from datetime import datetime
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Concatenate, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Concatenate, Literal, TypeVar
 
 import click
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
 
-from space.client import (
-    AsyncSandbox,
-    AsyncSpace,
-    ExecResult,
-    NotFoundError,
-    SandboxInfo,
-    SpaceError,
-)
-from space.client._calls import read_chunks
+from space.cli.completion import complete_sandbox_ids
+from space.cli.output import json_option, print_json, print_table
 from space.client._config import DEFAULT_API_URL, KEY_VARIABLE, URL_VARIABLE
+
+# The SDK (httpx) and rich are imported where a command runs, not here: `--help` and argument
+# errors answer without them (see main.py). Commands use the synchronous SDK: no event loop to
+# start (asyncio and anyio cost ~30 ms); only `shell` needs one.
+if TYPE_CHECKING:
+    from datetime import datetime
+
+    from space.client import ExecResult, Sandbox, SandboxInfo, Space
 
 PROGRESS_FROM = 1 << 20  # files up to 1 MiB copy too fast for a progress bar to help
 # ID:/absolute/path names a file in a sandbox; anything else is a local path.
 REMOTE_PATH = re.compile(r"^(?P<id>[A-Za-z0-9][A-Za-z0-9_.-]*):(?P<path>/.*)$")
 
-Body = Callable[Concatenate[AsyncSpace, ...], Coroutine[Any, Any, int | None]]
+Body = Callable[Concatenate["Space", ...], int | None]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _api_command(body: Body) -> Callable[..., None]:
-    """A command body as a coroutine taking an open AsyncSpace; adds --api-url and --api-key.
-
-    SDK errors become one clear line, not a traceback; a returned int is the exit status.
-    """
-
-    @click.option(
+def _api_options(fn: F) -> F:
+    """--api-url and --api-key, which the command receives as `api_url` and `api_key`."""
+    fn = click.option(
+        "--api-key",
+        envvar=KEY_VARIABLE,
+        help=f"API key  [default: ${KEY_VARIABLE}, then the credentials file]",
+    )(fn)
+    return click.option(
         "--api-url",
         envvar=URL_VARIABLE,
         help=f"API address  [default: ${URL_VARIABLE}, then the credentials file, then "
         f"{DEFAULT_API_URL}]",
-    )
-    @click.option(
-        "--api-key",
-        envvar=KEY_VARIABLE,
-        help=f"API key  [default: ${KEY_VARIABLE}, then the credentials file]",
-    )
+    )(fn)
+
+
+@contextlib.contextmanager
+def _sdk_errors() -> Iterator[None]:
+    """SDK errors become one clear line, not a traceback."""
+    from space.client import SpaceError
+
+    try:
+        yield
+    except SpaceError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _api_command(body: Body) -> Callable[..., None]:
+    """A command body taking an open `Space`, with --api-url and --api-key; a returned int is
+    the exit status."""
+
+    @_api_options
     @functools.wraps(body)
     def command(api_url: str | None, api_key: str | None, **kwargs: Any) -> None:
-        async def run() -> int | None:
-            async with AsyncSpace(api_url, api_key) as space:
-                return await body(space, **kwargs)
+        from space.client import Space
 
-        try:
-            status = asyncio.run(run())
-        except SpaceError as e:
-            raise click.ClickException(str(e)) from None
+        with _sdk_errors(), Space(api_url, api_key) as space:
+            status = body(space, **kwargs)
         if status is not None:
             click.get_current_context().exit(status)
 
@@ -152,6 +149,11 @@ def sandbox() -> None:
     type=click.Choice(["pause", "suspend", "delete"]),
     help="What happens at the timeout  [server default: pause]",
 )
+@click.option(
+    "--idle-timeout",
+    type=click.IntRange(min=0),
+    help="Pause it after this many seconds unused; its next use resumes it (0: never)",
+)
 @_env_option
 @_pairs_option("--metadata", "-m", help="Label to find it by (ls --metadata). Repeatable.")
 @click.option("--id", "sandbox_id", help="Choose the id (creating it again answers the same one).")
@@ -171,14 +173,15 @@ def sandbox() -> None:
     "deployment's default applies (deny).",
 )
 @_api_command
-async def create(
-    space: AsyncSpace,
+def create(
+    space: Space,
     template: str | None,
     vcpus: int | None,
     memory: int | None,
     disk: int | None,
     timeout: int | None,
     timeout_action: Literal["pause", "suspend", "delete"] | None,
+    idle_timeout: int | None,
     env: dict[str, str],
     metadata: dict[str, str],
     sandbox_id: str | None,
@@ -186,7 +189,9 @@ async def create(
     allow: tuple[str, ...],
 ) -> None:
     """Create a sandbox; prints its id once it is running."""
-    sb = await AsyncSandbox.create(
+    from space.client import Sandbox
+
+    sb = Sandbox.create(
         client=space,
         template=template,
         vcpus=vcpus,
@@ -194,6 +199,7 @@ async def create(
         disk_mib=disk,
         timeout_s=timeout,
         timeout_action=timeout_action,
+        idle_timeout_s=idle_timeout,
         env=env or None,
         metadata=metadata or None,
         id=sandbox_id,
@@ -209,24 +215,28 @@ async def create(
 @click.option("--state", help="Only sandboxes in this state (running, paused, suspended, ...).")
 @click.option("--template", help="Only sandboxes made from this template.")
 @_pairs_option("--metadata", "-m", help="Only sandboxes with this label. Repeatable.")
+@json_option
 @_api_command
-async def list_sandboxes(
-    space: AsyncSpace, state: str | None, template: str | None, metadata: dict[str, str]
+def list_sandboxes(
+    space: Space,
+    state: str | None,
+    template: str | None,
+    metadata: dict[str, str],
+    as_json: bool,
 ) -> None:
     """List sandboxes, newest first."""
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("ID", "STATE", "TEMPLATE", "VCPUS", "MEMORY", "CREATED", "EXPIRES"):
-        table.add_column(column, no_wrap=True)
-    table.add_column("METADATA", overflow="fold")
-    async for sb in AsyncSandbox.list(
-        state=state, template=template, metadata=metadata, client=space
-    ):
-        table.add_row(*_row(sb.info))
-    if table.row_count:
-        # Piped, the table keeps one line per sandbox however wide, for grep and awk.
-        Console(highlight=False, width=None if sys.stdout.isatty() else 1000).print(table)
-    else:
-        click.echo("no sandboxes", err=True)
+    from space.client import Sandbox
+
+    found = Sandbox.list(state=state, template=template, metadata=metadata, client=space)
+    infos = [sb.info for sb in found]
+    if as_json:
+        print_json(infos)
+        return
+    print_table(
+        ("ID", "STATE", "TEMPLATE", "VCPUS", "MEMORY", "CREATED", "EXPIRES", "METADATA"),
+        map(_row, infos),
+        empty="no sandboxes",
+    )
 
 
 def _row(info: SandboxInfo) -> list[str]:
@@ -248,25 +258,27 @@ def _row(info: SandboxInfo) -> list[str]:
 
 
 @sandbox.command()
-@click.argument("sandbox_id")
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
 @_api_command
-async def get(space: AsyncSpace, sandbox_id: str) -> None:
+def get(space: Space, sandbox_id: str) -> None:
     """Print a sandbox as JSON."""
-    sb = await AsyncSandbox.get(sandbox_id, client=space)
-    data = dataclasses.asdict(sb.info)
-    click.echo(json.dumps(data, indent=2, default=lambda value: value.isoformat()))
+    from space.client import Sandbox
+
+    print_json((Sandbox.get(sandbox_id, client=space)).info)
 
 
 @sandbox.command()
-@click.argument("sandbox_ids", nargs=-1, required=True)
+@click.argument("sandbox_ids", nargs=-1, required=True, shell_complete=complete_sandbox_ids)
 @_api_command
-async def rm(space: AsyncSpace, sandbox_ids: tuple[str, ...]) -> int:
+def rm(space: Space, sandbox_ids: tuple[str, ...]) -> int:
     """Delete sandboxes (their disks and snapshots go too)."""
+    from space.client import Sandbox, SpaceError
+
     failed = 0
     for sandbox_id in sandbox_ids:
         try:
-            sb = await AsyncSandbox.get(sandbox_id, client=space)
-            await sb.delete()
+            sb = Sandbox.get(sandbox_id, client=space)
+            sb.delete()
         except SpaceError as e:
             click.echo(f"{sandbox_id}: {e}", err=True)
             failed += 1
@@ -275,43 +287,43 @@ async def rm(space: AsyncSpace, sandbox_ids: tuple[str, ...]) -> int:
     return 1 if failed else 0
 
 
-async def _change(
-    space: AsyncSpace, sandbox_id: str, action: Literal["pause", "resume", "suspend"]
-) -> None:
-    sb = await AsyncSandbox.get(sandbox_id, client=space)
-    info = await {"pause": sb.pause, "resume": sb.resume, "suspend": sb.suspend}[action]()
+def _change(space: Space, sandbox_id: str, action: Literal["pause", "resume", "suspend"]) -> None:
+    from space.client import Sandbox
+
+    sb = Sandbox.get(sandbox_id, client=space)
+    info = {"pause": sb.pause, "resume": sb.resume, "suspend": sb.suspend}[action]()
     click.echo(f"{info.id} {info.state}")
 
 
 @sandbox.command()
-@click.argument("sandbox_id")
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
 @_api_command
-async def pause(space: AsyncSpace, sandbox_id: str) -> None:
+def pause(space: Space, sandbox_id: str) -> None:
     """Stop a sandbox's CPUs; its memory stays, so resuming takes milliseconds."""
-    await _change(space, sandbox_id, "pause")
+    _change(space, sandbox_id, "pause")
 
 
 @sandbox.command()
-@click.argument("sandbox_id")
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
 @_api_command
-async def resume(space: AsyncSpace, sandbox_id: str) -> None:
+def resume(space: Space, sandbox_id: str) -> None:
     """Run a paused or suspended sandbox again."""
-    await _change(space, sandbox_id, "resume")
+    _change(space, sandbox_id, "resume")
 
 
 @sandbox.command()
-@click.argument("sandbox_id")
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
 @_api_command
-async def suspend(space: AsyncSpace, sandbox_id: str) -> None:
+def suspend(space: Space, sandbox_id: str) -> None:
     """Save a sandbox's memory to disk and free it; processes and files survive."""
-    await _change(space, sandbox_id, "suspend")
+    _change(space, sandbox_id, "suspend")
 
 
 # space exec / shell
 
 
 @click.command("exec", context_settings={"ignore_unknown_options": True})
-@click.argument("sandbox_id")
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @_exec_options
 @click.option(
@@ -321,8 +333,8 @@ async def suspend(space: AsyncSpace, sandbox_id: str) -> None:
 )
 @click.option("--no-stdin", "-n", is_flag=True, help="Do not send our stdin (like ssh -n).")
 @_api_command
-async def exec_(
-    space: AsyncSpace,
+def exec_(
+    space: Space,
     sandbox_id: str,
     command: tuple[str, ...],
     env: dict[str, str],
@@ -336,12 +348,14 @@ async def exec_(
     COMMAND comes after `--`; its exit status becomes ours (128 + the signal if one killed it).
     Piped stdin is read to its end, then sent.
     """
-    sb = await AsyncSandbox.get(sandbox_id, client=space)
+    from space.client import Sandbox
+
+    sb = Sandbox.get(sandbox_id, client=space)
     stdin = None if no_stdin or sys.stdin.isatty() else sys.stdin.buffer.read()
-    async with sb.exec_stream(
+    with sb.exec_stream(
         command, env=env or None, cwd=cwd, user=user, timeout=timeout, stdin=stdin
     ) as stream:
-        async for name, data in stream:
+        for name, data in stream:
             out = sys.stdout if name == "stdout" else sys.stderr
             out.buffer.write(data)
             out.flush()
@@ -351,26 +365,37 @@ async def exec_(
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
-@click.argument("sandbox_id")
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @_exec_options
-@_api_command
-async def shell(
-    space: AsyncSpace,
+@_api_options
+def shell(
+    api_url: str | None,
+    api_key: str | None,
     sandbox_id: str,
     command: tuple[str, ...],
     env: dict[str, str],
     cwd: str | None,
     user: str | None,
-) -> int:
+) -> None:
     """Open an interactive terminal in a sandbox.
 
     It runs a login shell, or COMMAND (after `--`), in a pseudo-terminal.
     """
-    from space.client._shell import shell as attach  # httpx-ws: loaded only when needed
+    import asyncio
 
-    result = await attach(space, sandbox_id, command or None, env=env or None, cwd=cwd, user=user)
-    return _status(result)
+    from space.client import AsyncSpace
+    from space.client._shell import shell as attach  # httpx-ws, over the async client
+
+    async def run() -> ExecResult:
+        async with AsyncSpace(api_url, api_key) as space:
+            return await attach(
+                space, sandbox_id, command or None, env=env or None, cwd=cwd, user=user
+            )
+
+    with _sdk_errors():
+        result = asyncio.run(run())
+    click.get_current_context().exit(_status(result))
 
 
 # space cp
@@ -380,21 +405,23 @@ async def shell(
 @click.argument("src")
 @click.argument("dst")
 @_api_command
-async def cp(space: AsyncSpace, src: str, dst: str) -> None:
+def cp(space: Space, src: str, dst: str) -> None:
     """Copy a file into or out of a sandbox.
 
     One of SRC and DST is ID:/absolute/path, the other a local path; a DST that is a directory
     receives the file under its own name.
     """
+    from space.client import Sandbox
+
     source, target = REMOTE_PATH.match(src), REMOTE_PATH.match(dst)
     if (source is None) == (target is None):
         raise click.UsageError("exactly one of SRC and DST must be a sandbox path, ID:/abs/path")
     if source is not None:
-        sb = await AsyncSandbox.get(source["id"], client=space)
-        await _download(sb, source["path"], Path(dst))
+        sb = Sandbox.get(source["id"], client=space)
+        _download(sb, source["path"], Path(dst))
     elif target is not None:
-        sb = await AsyncSandbox.get(target["id"], client=space)
-        await _upload(sb, Path(src), target["path"])
+        sb = Sandbox.get(target["id"], client=space)
+        _upload(sb, Path(src), target["path"])
 
 
 @contextlib.contextmanager
@@ -403,6 +430,16 @@ def _progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
     if total <= PROGRESS_FROM:
         yield lambda _: None
         return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -415,17 +452,19 @@ def _progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
         yield lambda n: progress.advance(task, n)
 
 
-async def _download(sb: AsyncSandbox, path: str, dst: Path) -> None:
-    entry = await sb.files.stat(path)
+def _download(sb: Sandbox, path: str, dst: Path) -> None:
+    entry = sb.files.stat(path)
     if entry.is_dir:
         raise click.ClickException(f"{sb.id}:{path} is a directory; cp copies one file")
     if dst.is_dir():
         dst /= entry.name
     # Into a temporary file first, so a failed copy leaves nothing half-written behind.
+    import tempfile
+
     fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.")
     try:
         with os.fdopen(fd, "wb") as f, _progress(entry.size, dst.name) as advance:
-            async for chunk in sb.files.iter(path):
+            for chunk in sb.files.iter(path):
                 f.write(chunk)
                 advance(len(chunk))
         os.chmod(tmp, entry.mode & 0o777)
@@ -435,21 +474,25 @@ async def _download(sb: AsyncSandbox, path: str, dst: Path) -> None:
         raise
 
 
-async def _upload(sb: AsyncSandbox, src: Path, path: str) -> None:
+def _upload(sb: Sandbox, src: Path, path: str) -> None:
     if src.is_dir():
         raise click.ClickException(f"{src} is a directory; cp copies one file")
+    from space.client import NotFoundError
+
     if path.endswith("/"):
         path += src.name
     else:
         with contextlib.suppress(NotFoundError):
-            if (await sb.files.stat(path)).is_dir:
+            if (sb.files.stat(path)).is_dir:
                 path = f"{path}/{src.name}"
     with src.open("rb") as f, _progress(src.stat().st_size, src.name) as advance:
         mode = os.fstat(f.fileno()).st_mode & 0o777
-        await sb.files.write(path, _counted(f, advance), mode=mode)
+        sb.files.write(path, _counted(f, advance), mode=mode)
 
 
 def _counted(f: BinaryIO, advance: Callable[[int], None]) -> Iterator[bytes]:
+    from space.client._calls import read_chunks
+
     for chunk in read_chunks(f):
         advance(len(chunk))
         yield chunk

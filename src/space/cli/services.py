@@ -13,11 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import click
 import httpx
 
-from space import config
+from space import logs
 from space.client._config import (
     Credentials,
     credentials_path,
@@ -27,18 +28,25 @@ from space.client._config import (
 from space.client._errors import SpaceError
 from space.db import embedded, migrate
 from space.db.store import Store, connect
+from space.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
 @click.command()
-@click.option("--host", default=lambda: config.api_address()[0], show_default="127.0.0.1")
-@click.option("--port", type=int, default=lambda: config.api_address()[1], show_default="8080")
-def api(host: str, port: int) -> None:
+@click.option("--host", help="address to listen on (default SPACE_API_HOST, 127.0.0.1)")
+@click.option("--port", type=int, help="port to listen on (default SPACE_API_PORT, 8080)")
+def api(host: str | None, port: int | None) -> None:
     """Run the HTTP API server."""
     from space.api.app import serve
 
-    asyncio.run(serve(embedded.database_url(), config.worker_secret(), host, port))
+    settings = Settings.from_env()
+    api_settings = replace(
+        settings.api, host=host or settings.api.host, port=port or settings.api.port
+    )
+    settings = replace(settings, api=api_settings)
+    logs.setup(settings.log.format, settings.log.level, "api")
+    asyncio.run(serve(settings, _database(settings)))
 
 
 @click.command()
@@ -46,7 +54,9 @@ def controller() -> None:
     """Run a controller replica (one leads; the others stand by)."""
     from space.controller.main import run
 
-    asyncio.run(run(embedded.database_url(), config.worker_secret()))
+    settings = Settings.from_env()
+    logs.setup(settings.log.format, settings.log.level, "controller")
+    asyncio.run(run(settings, _database(settings)))
 
 
 @click.command()
@@ -60,16 +70,16 @@ def worker(worker_id: str, host: str, port: int, url: str | None) -> None:
     """Run the worker service of this host."""
     from space.worker.main import run
 
+    settings = Settings.from_env()
+    logs.setup(settings.log.format, settings.log.level, "worker", worker=worker_id)
     asyncio.run(
-        run(
-            embedded.database_url(),
-            config.worker_secret(),
-            worker_id=worker_id,
-            host=host,
-            port=port,
-            url=url or f"http://{host}:{port}",
-        )
-    )
+        run(settings, _database(settings), worker_id=worker_id, host=host, port=port,
+            url=url or f"{'https' if settings.worker.tls else 'http'}://{host}:{port}")
+    )  # fmt: skip
+
+
+def _database(settings: Settings) -> str:
+    return embedded.database_url(settings.database_url, settings.state_dir)
 
 
 async def _bootstrap(url: str, api_url: str, pool: int) -> str:
@@ -102,17 +112,60 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _name(p: subprocess.Popen[bytes]) -> str:
-    args = p.args if isinstance(p.args, list) else [p.args]
-    return " ".join(str(a) for a in args[2:])
+class Child:
+    """One service of `space up`: started again when it exits, with a growing pause between
+    tries (reset once it has run for a while), so one crashing service does not stop the rest
+    of the platform, and a service that cannot start does not spin."""
+
+    BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+    STABLE_S = 60.0
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self.failures = 0
+        self.next_start = 0.0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent)
+        self.started = time.monotonic()
+
+    def tend(self) -> None:
+        """Start it again if it exited and its pause is over."""
+        now = time.monotonic()
+        if self.proc is not None and self.proc.poll() is None:
+            if now - self.started > self.STABLE_S:
+                self.failures = 0
+            return
+        if self.proc is not None:
+            code, self.proc = self.proc.returncode, None
+            pause = self.BACKOFF_S[min(self.failures, len(self.BACKOFF_S) - 1)]
+            self.failures += 1
+            self.next_start = now + pause
+            click.echo(f"space up: {self.name} exited with {code}; starting it again in "
+                       f"{pause:g} s", err=True)  # fmt: skip
+        if now >= self.next_start:
+            self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
+    def wait(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
-def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 60) -> None:
+def _wait_healthy(url: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise click.ClickException(f"{_name(p)} exited with {p.returncode}")
         try:
             if httpx.get(url, timeout=1).status_code == 200:
                 return
@@ -120,6 +173,24 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float
             pass
         time.sleep(0.2)
     raise click.ClickException(f"{url} did not answer within {timeout:.0f}s")
+
+
+def _wait_worker(db_url: str, timeout: float = 120) -> None:
+    """Until a worker has registered and can take sandboxes (its first start builds nothing,
+    but adopts what a previous run left)."""
+
+    async def ready() -> int:
+        store = Store(connect(db_url, pool_size=1))
+        try:
+            return await store.ready_workers()
+        finally:
+            await store.close()
+
+    deadline = time.monotonic() + timeout
+    while asyncio.run(ready()) == 0:
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"no worker registered within {timeout:.0f}s")
+        time.sleep(0.5)
 
 
 @click.command()
@@ -135,59 +206,67 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float
 @click.option(
     "--metrics-port", type=int, default=9464, show_default=True, help="controller metrics"
 )
-def up(port: int, worker_port: int, pool: int, metrics_port: int) -> None:
+@click.option(
+    "--worker-metrics-port", type=int, default=9465, show_default=True, help="worker metrics"
+)
+def up(port: int, worker_port: int, pool: int, metrics_port: int, worker_metrics_port: int) -> None:
     """Bring the whole platform up on this machine and print how to use it."""
+    from space.cli.doctor import require_healthy_host
     from space.cli.images import base_cmd, kernel_cmd
 
     if os.geteuid() != 0:
         raise click.ClickException("space up needs root (VMs, loop devices, network namespaces)")
+    require_healthy_host()  # stops on what cannot work, before anything is built or started
     ctx = click.get_current_context()
     ctx.invoke(kernel_cmd, force=False)
     ctx.invoke(base_cmd, force=False)
     click.secho("space up: database", bold=True, err=True)
-    db_url = embedded.database_url()
+    settings = Settings.from_env()
+    db_url = _database(settings)
     api_url = f"http://127.0.0.1:{port}"
     key = asyncio.run(_bootstrap(db_url, api_url, pool))
+    metrics_token = settings.load_metrics_token()
     space = [sys.executable, "-m", "space.cli.main"]
     env = {
         **os.environ,
         "SPACE_DATABASE_URL": db_url,
         "SPACE_CONTROLLER_METRICS": f"127.0.0.1:{metrics_port}",
+        "SPACE_WORKER_METRICS": f"127.0.0.1:{worker_metrics_port}",
+        "SPACE_METRICS_TOKEN": metrics_token,
     }
-    procs = [
-        subprocess.Popen(
-            [*space, "worker", "--port", str(worker_port)], env=env, preexec_fn=_die_with_parent
-        ),
-        subprocess.Popen([*space, "controller"], env=env, preexec_fn=_die_with_parent),
-        subprocess.Popen(
-            [*space, "api", "--port", str(port)], env=env, preexec_fn=_die_with_parent
-        ),
+    children = [
+        Child("worker", [*space, "worker", "--port", str(worker_port)], env),
+        Child("controller", [*space, "controller"], env),
+        Child("api", [*space, "api", "--port", str(port)], env),
     ]
+    for child in children:
+        child.start()
 
     def stop(*_: object) -> None:
         # Once stopping, further signals must not interrupt the shutdown half-way.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for child in children:
+            child.stop()
+        for child in children:
+            child.wait()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    _wait_healthy(f"{api_url}/healthz", procs)
+    _wait_healthy(f"{api_url}/healthz")
+    click.secho("space up: waiting for the worker", bold=True, err=True)
+    _wait_worker(db_url)
     click.echo(
         f"""
 SPACE is up.
   API:      {api_url}   (OpenAPI: {api_url}/openapi.json)
+  Console:  {api_url}/console   (sign in with the API key below)
   API key:  {key}
   saved in  {credentials_path()}  (the CLI and SDK read it)
-  Metrics:  {api_url}/metrics  and  http://127.0.0.1:{metrics_port}/metrics (controller)
+  Metrics:  {api_url}/metrics,  http://127.0.0.1:{metrics_port}/metrics (controller)  and
+            http://127.0.0.1:{worker_metrics_port}/metrics (worker: per-sandbox figures)
+            with  Authorization: Bearer {metrics_token}
   Warm pool: {pool} base sandboxes kept ready (`space pool set base N` changes it)
 
   space sandbox create            # prints a sandbox id
@@ -195,12 +274,11 @@ SPACE is up.
   space shell <id>
   python3 -c 'import space; sb = space.Sandbox.create(); print(sb.exec("uname -r").text)'
 
-Ctrl-C stops the services; running VMs are re-adopted by the next `space up`.
+Ctrl-C stops the services (a service that exits is started again); running VMs are
+re-adopted by the next `space up`.
 """
     )
     while True:
-        for p in procs:
-            if p.poll() is not None:
-                click.echo(f"{_name(p)} exited with {p.returncode}; stopping", err=True)
-                stop()
-        time.sleep(1)
+        for child in children:
+            child.tend()
+        time.sleep(0.5)

@@ -21,8 +21,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from space.cli.output import json_option, print_json
 from space.client import AsyncSpace, SpaceError
 from space.client._config import KEY_VARIABLE, URL_VARIABLE
+from space.settings import Settings
 from space.worker.agent_client import AgentError
 from space.worker.images.debs import ImageBuildError
 from space.worker.local import local_runtime
@@ -120,7 +122,7 @@ def _progress(spec: TemplateSpec) -> Iterator[Callable[[str], None]]:
 async def _build(spec_path: Path, out: Path | None) -> TemplateRecord:
     spec = load_spec(spec_path)
     with _progress(spec) as log:
-        rt = await local_runtime(log=log)
+        rt = await local_runtime(Settings.from_env().worker, log=log)
         env = BuildEnv.from_runtime(rt, out)
         return await build_template(spec, env, log)
 
@@ -156,10 +158,14 @@ async def _build_remote(spec_path: Path, api_url: str | None, api_key: str | Non
     type=click.Path(path_type=Path, file_okay=False),
     help="Where the templates were built (default: the worker's pool).",
 )
-def list_(root: Path | None) -> None:
+@json_option
+def list_(root: Path | None, as_json: bool) -> None:
     """List the templates built on this host."""
     root = root or ensure_pool().root
     records = list_templates(root)
+    if as_json:
+        print_json([{**r.to_json(), "path": r.path} for r in records])
+        return
     if not records:
         _console.print(f"no templates under {root / 'templates'}")
         return

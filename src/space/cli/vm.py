@@ -22,6 +22,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import click
 
+from space.cli.output import json_option, print_json
+from space.settings import Settings
 from space.worker.agent_client import AgentClient, AgentError
 from space.worker.local import LocalRuntime, local_runtime
 from space.worker.machine import Machine
@@ -51,7 +53,7 @@ def _progress(line: str) -> None:
 
 
 async def _runtime() -> LocalRuntime:
-    return await local_runtime(log=_progress)
+    return await local_runtime(Settings.from_env().worker, log=_progress)
 
 
 async def _adopt(vm_id: str) -> QemuVM:
@@ -101,25 +103,41 @@ async def boot(vm_id: str | None, vcpus: int, memory: int, hostname: str | None)
     await m.agent.close()
     await m.vm.detach()
     total = sum(m.timings.values())
-    click.echo(f"{m.id}  booted in {total:.2f}s ({rt.driver.accel}), kernel {info['kernel']}")
+    how = getattr(rt.driver, "accel", rt.driver.name)
+    click.echo(f"{m.id}  booted in {total:.2f}s ({how}), kernel {info['kernel']}")
     click.echo(f"try: space vm exec {m.id} -- uname -a")
 
 
 @vm.command("ls")
+@json_option
 @run_async
-async def list_vms() -> None:
+async def list_vms(as_json: bool) -> None:
     """List the VMs on this host."""
     pool = await asyncio.to_thread(ensure_pool)
+    vms = []
     for run_dir in sorted(pool.vms.iterdir()):
         try:
             record = json.loads((run_dir / VM_FILE).read_text())
         except (OSError, ValueError):
             continue
-        alive = Path(f"/proc/{record['pid']}").exists()
         config = record["config"]
+        vms.append(
+            {
+                "id": run_dir.name,
+                "alive": Path(f"/proc/{record['pid']}").exists(),
+                "pid": record["pid"],
+                "vcpus": config["vcpus"],
+                "memory_mib": config["memory_mib"],
+                "hostname": config["hostname"],
+            }
+        )
+    if as_json:
+        print_json(vms)
+        return
+    for v in vms:
         click.echo(
-            f"{run_dir.name}  {'up' if alive else 'gone':4}  pid {record['pid']:<7} "
-            f"{config['vcpus']} vCPU {config['memory_mib']} MiB  {config['hostname']}"
+            f"{v['id']}  {'up' if v['alive'] else 'gone':4}  pid {v['pid']:<7} "
+            f"{v['vcpus']} vCPU {v['memory_mib']} MiB  {v['hostname']}"
         )
 
 
@@ -266,7 +284,7 @@ def snapshot(vm_id: str, dest: Path, resume: bool) -> None:
     """Save a VM's memory, devices and disk into DEST."""
 
     async def action(v: Any, agent: AgentClient) -> SnapshotInfo:
-        await agent.run(["sync"], timeout=30)
+        await agent.sync()
         info: SnapshotInfo = await v.snapshot(dest)
         if resume:
             await v.resume()
