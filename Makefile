@@ -3,10 +3,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up setup deps venv images test lint bench
+.PHONY: up setup deps test-deps venv images test lint bench console
 
 # The whole platform on this machine, in the foreground: prints the API URL and a key.
-up: setup
+# The packages and the Python environment first, then `space doctor`, which stops here on what
+# cannot work (and shows what will be slow); `space up` then builds the images it lacks.
+up: deps venv
+	$(BIN)/space doctor --problems
 	$(BIN)/space up
 
 # Everything a host needs: system packages, the Python environment, the guest kernel and `base`.
@@ -18,6 +21,11 @@ deps:
 		qemu-system-x86 qemu-utils busybox-static mmdebstrap debootstrap ca-certificates \
 		btrfs-progs e2fsprogs util-linux kmod cpio lz4 zstd xz-utils nftables iproute2 \
 		python3-venv docker-registry apache2-utils
+
+# What only the tests need: the browser that drives the web console (Playwright uses it as it
+# is; no browser of its own is downloaded).
+test-deps:
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
 
 venv: $(BIN)/space
 
@@ -37,8 +45,13 @@ lint: venv
 	$(BIN)/mypy
 
 # The test command: lint, then the whole suite (real VMs under QEMU; needs root).
-test: setup lint
+test: setup test-deps lint
 	$(BIN)/pytest -ra
+
+# The web console's bundle (src/space/console/static/, committed) from console/: the pinned
+# packages of its lock file, then esbuild. Only for changing the console; `up` never needs it.
+console:
+	cd console && npm ci --no-audit --no-fund && npm run build
 
 bench: setup
 	$(BIN)/python bench/vm_runtime.py --json bench/results/vm_runtime.json

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -45,8 +46,15 @@ class BenchPlatform:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, name: str, *argv: str, env: dict[str, str] | None = None) -> None:
+        # SPACE_BENCH_LOGS=DIR keeps each service's log there (a run that broke says why).
+        logs = os.environ.get("SPACE_BENCH_LOGS")
+        if logs:
+            Path(logs).mkdir(parents=True, exist_ok=True)
+            stderr: Any = open(Path(logs) / f"{name}-{self.worker_id}.log", "ab")  # noqa: SIM115
+        else:
+            stderr = subprocess.DEVNULL
         self.procs[name] = subprocess.Popen(
-            [*SPACE, *argv], env={**self.env, **(env or {})}, stderr=subprocess.DEVNULL
+            [*SPACE, *argv], env={**self.env, **(env or {})}, stderr=stderr
         )
 
     def stop(self, name: str) -> None:
@@ -114,5 +122,5 @@ def platform(
         pool = asyncio.run(local_runtime()).pool
         leftover = pool.root / "workers" / p.worker_id
         subprocess.run(["pkill", "-9", "-f", f"{leftover}/"], check=False)
-        asyncio.run(netsetup.remove_networks(p.worker_id, leftover))
+        asyncio.run(netsetup.remove_networks(p.worker_id, leftover, Path("/var/lib/space")))
         shutil.rmtree(leftover, ignore_errors=True)

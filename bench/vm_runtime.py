@@ -57,7 +57,7 @@ async def timed(n: int, fn: Callable[[], Awaitable[object]]) -> list[float]:
 
 async def stdout_rate(agent: AgentClient) -> float:
     t = time.perf_counter()
-    r = await agent.run(f"head -c {STDOUT_BYTES} /dev/zero", timeout=600)
+    r = await agent.run(f"head -c {STDOUT_BYTES} /dev/zero", timeout=600, max_output=STDOUT_BYTES)
     elapsed = time.perf_counter() - t
     assert len(r.stdout) == STDOUT_BYTES, len(r.stdout)
     return STDOUT_BYTES / elapsed / 1e6

@@ -42,8 +42,13 @@ class NetworkPolicy(Strict):
     allow_networks: list[str] = Field(
         default_factory=list,
         max_length=64,
-        description="private/link-local networks names may resolve to (refused by default)",
+        description="private networks names may resolve to, among those the operator opened",
     )
+
+    def gateway(self) -> Policy:
+        """The same policy as the gateway takes it, with no secrets."""
+        return Policy(default=self.default, hosts=self.hosts, cidrs=self.cidrs,
+                      allow_networks=self.allow_networks)  # fmt: skip
 
 
 class SecretBinding(Strict):
@@ -92,12 +97,8 @@ def gateway_policy(
     """The policy the gateway enforces for a sandbox: its own (or the deployment's default),
     with the values of its bound secrets."""
     base = NetworkPolicy.model_validate(network or {"default": default_egress()})
-    return Policy(
-        default=base.default,
-        hosts=base.hosts,
-        cidrs=base.cidrs,
-        allow_networks=base.allow_networks,
-        secrets=[_secret(b, values[b["secret"]]) for b in bindings],
+    return base.gateway().model_copy(
+        update={"secrets": [_secret(b, values[b["secret"]]) for b in bindings]}
     )
 
 

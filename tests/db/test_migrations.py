@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Connection
 
 from space.db import migrate
 from space.db.store import connect
 from space.db.tables import metadata
+from tests.cli.runner import space
 
 
 async def test_upgrade_matches_the_declared_tables_and_is_repeatable(database: str) -> None:
@@ -22,5 +26,24 @@ async def test_upgrade_matches_the_declared_tables_and_is_repeatable(database: s
 
         async with engine.connect() as conn:
             assert await conn.run_sync(diff) == []
+    finally:
+        await engine.dispose()
+
+
+async def test_admin_migrate_brings_a_new_database_to_the_newest_revision(database: str) -> None:
+    """The command a deployment runs on each rollout (`space admin migrate`), as a process."""
+    admin = connect(database).execution_options(isolation_level="AUTOCOMMIT")
+    async with admin.connect() as conn:
+        await conn.exec_driver_sql("CREATE DATABASE rollout")
+    await admin.dispose()
+    url = database.replace("/postgres?", "/rollout?")
+    head = ScriptDirectory(str(migrate.MIGRATIONS)).get_current_head()
+    assert head is not None
+    for _ in range(2):  # the second rollout finds nothing to do and says the same
+        run = await asyncio.to_thread(space, "admin", "migrate", env={"SPACE_DATABASE_URL": url})
+        assert run.stdout.strip() == head
+    engine = connect(url)
+    try:
+        assert await migrate.revision(engine) == head
     finally:
         await engine.dispose()

@@ -14,7 +14,9 @@ import sqlalchemy as sa
 from space.controller.pools import Pools
 from space.db import migrate
 from space.db import tables as t
-from space.db.store import POOL_TENANT, PoolMemberBroken, Row, Store, connect
+from space.db.store import POOL_TENANT, Row, Store, connect
+from space.settings import PoolSettings
+from tests.db.conftest import clean
 
 SHAPE = {"template": "base", "vcpus": 1, "memory_mib": 256, "disk_mib": 1024}
 
@@ -23,9 +25,7 @@ SHAPE = {"template": "base", "vcpus": 1, "memory_mib": 256, "disk_mib": 1024}
 async def store(database: str) -> AsyncIterator[Store]:
     s = Store(connect(database))
     await migrate.upgrade(s.engine)
-    async with s.engine.begin() as c:
-        for table in (t.events, t.sandboxes, t.workers, t.templates):
-            await c.execute(table.delete())
+    await clean(s)
     await s.ensure_template("base")
     yield s
     await s.close()
@@ -51,7 +51,7 @@ async def run_members(store: Store, worker_id: str) -> list[Row]:
 async def test_a_pool_fills_only_the_room_there_is(store: Store) -> None:
     await store.set_pool("base", 3, 1, 256, 1024)
     await worker(store, "w1", memory_mib=600)  # room for two members of 256 MiB
-    pools = Pools(store)
+    pools = Pools(store, PoolSettings())
     await pools.tend()
     await run_members(store, "w1")
     await pools.tend()
@@ -77,7 +77,7 @@ async def test_a_pool_fills_only_the_room_there_is(store: Store) -> None:
 async def test_a_worker_short_of_memory_loses_its_members(store: Store) -> None:
     await store.set_pool("base", 2, 1, 256, 1024)
     await worker(store, "w1", memory_mib=4096, available=8000)
-    pools = Pools(store)
+    pools = Pools(store, PoolSettings())
     pools.reserve_mib = 1024
     await pools.tend()
     await run_members(store, "w1")
@@ -94,7 +94,7 @@ async def test_a_worker_short_of_memory_loses_its_members(store: Store) -> None:
 async def test_a_sandbox_without_room_evicts_as_few_members_as_fit_it(store: Store) -> None:
     await store.set_pool("base", 3, 1, 256, 1024)
     await worker(store, "w1", memory_mib=800)
-    pools = Pools(store)
+    pools = Pools(store, PoolSettings())
     # At most two members are made at once: refills must not crowd out real creates.
     await pools.tend()
     assert len(await store.pool_members()) == 2
@@ -119,58 +119,51 @@ async def test_a_sandbox_without_room_evicts_as_few_members_as_fit_it(store: Sto
     assert not await pools.evict_for(big)
 
 
+CLAIM_VALUES: dict[str, Any] = {**SHAPE, "env": {"A": "1"}, "metadata": {}, "timeout_s": 60,
+                                "network": None, "secrets": [], "timeout_action": "pause",
+                                "idempotency_key": None}  # fmt: skip
+
+
 async def test_concurrent_claims_get_distinct_members(store: Store) -> None:
     await store.set_pool("base", 2, 1, 256, 1024)
     await worker(store, "w1", memory_mib=4096)
-    await Pools(store).tend()
+    await Pools(store, PoolSettings()).tend()
     members = {m["id"] for m in await run_members(store, "w1")}
-    tenant = await store.create_tenant("t")
-    seen: list[str] = []
-
-    async def personalise(member: Row, url: str) -> None:
-        seen.append(member["id"])
-        await asyncio.sleep(0.05)  # hold the lock while another claim runs
-
-    values: dict[str, Any] = {**SHAPE, "env": {"A": "1"}, "metadata": {}, "timeout_s": 60,
-                              "network": None, "secrets": [],
-                              "timeout_action": "pause", "idempotency_key": None}  # fmt: skip
     claims = await asyncio.gather(
-        *(store.claim_pooled(tenant.id, values, personalise) for _ in range(3))
+        *(store.claim_member(CLAIM_VALUES, f"token-{i}") for i in range(3))
     )
-    got = [r["id"] for r in claims if r is not None]
+    got = [c["id"] for c in claims if c is not None]
     assert sorted(got) == sorted(members) and claims.count(None) == 1
-    assert sorted(seen) == sorted(members)
-    for r in claims:
-        if r is not None:
-            assert r["tenant_id"] == tenant.id and not r["pool"] and r["boot"] == "pool"
-            assert r["env"] == {"A": "1"} and r["expires_at"] is not None
+    for c in claims:
+        if c is not None:
+            # Claimed, but still the pool's: no tenant can see it until it is confirmed.
+            assert c["state"] == "claiming" and c["tenant_id"] == POOL_TENANT
+            assert c["worker_url"] == "http://w1.invalid"
 
 
-async def test_a_member_that_fails_its_claim_is_dropped_and_the_next_one_taken(
+async def test_a_confirmed_claim_is_the_tenants_and_an_abandoned_one_never_is(
     store: Store,
 ) -> None:
     await store.set_pool("base", 2, 1, 256, 1024)
     await worker(store, "w1", memory_mib=4096)
-    await Pools(store).tend()
-    first, second = sorted(await run_members(store, "w1"), key=lambda m: m["created_at"])
+    await Pools(store, PoolSettings()).tend()
+    await run_members(store, "w1")
     tenant = await store.create_tenant("t")
-
-    async def personalise(member: Row, url: str) -> None:
-        if member["id"] == first["id"]:
-            raise PoolMemberBroken("agent gone")
-
-    values: dict[str, Any] = {**SHAPE, "env": {}, "metadata": {}, "timeout_s": 60,
-                              "network": None, "secrets": [],
-                              "timeout_action": "pause"}  # fmt: skip
-    row = await store.claim_pooled(tenant.id, values, personalise)
-    assert row is not None and row["id"] == second["id"]
+    first = await store.claim_member(CLAIM_VALUES, "one")
+    second = await store.claim_member(CLAIM_VALUES, "two")
+    assert first is not None and second is not None
+    # A confirmation with another claim's token does nothing.
+    assert await store.confirm_claim(first["id"], "two", tenant.id, CLAIM_VALUES) is None
+    row = await store.confirm_claim(first["id"], "one", tenant.id, CLAIM_VALUES)
+    assert row is not None and row["tenant_id"] == tenant.id and not row["pool"]
+    assert row["state"] == "running" and row["boot"] == "pool" and row["env"] == {"A": "1"}
+    assert row["expires_at"] is not None
+    # The hand-over of the second failed: it is dropped, and a late confirmation is refused.
+    assert await store.abandon_claim(second["id"], "two", "claim failed: agent gone")
+    assert await store.confirm_claim(second["id"], "two", tenant.id, CLAIM_VALUES) is None
     async with store.engine.connect() as c:
-        broken = (
-            (await c.execute(sa.select(t.sandboxes).where(t.sandboxes.c.id == first["id"])))
-            .mappings()
-            .one()
-        )
-    # Rolled back to the pool's, then asked to be deleted: never the tenant's.
-    assert broken["tenant_id"] == POOL_TENANT and broken["desired_state"] == "deleted"
-    assert broken["reason"] == "claim failed: agent gone"
-    assert await store.claim_pooled(tenant.id, values, personalise) is None
+        q = sa.select(t.sandboxes).where(t.sandboxes.c.id == second["id"])
+        dropped = (await c.execute(q)).mappings().one()
+    assert dropped["tenant_id"] == POOL_TENANT and dropped["desired_state"] == "deleted"
+    assert dropped["reason"] == "claim failed: agent gone"
+    assert await store.claim_member(CLAIM_VALUES, "three") is None

@@ -5,27 +5,17 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import AsyncIterator
 
 import pytest
 import sqlalchemy as sa
 
-from space.db import migrate
 from space.db import tables as t
 from space.db.sealing import Sealer, SealError
-from space.db.store import Refused, Store, connect
+from space.db.store import Refused, Store
 
 
 def key(kid: str) -> tuple[str, bytes]:
     return kid, os.urandom(32)
-
-
-@pytest.fixture
-async def store(database: str) -> AsyncIterator[Store]:
-    s = Store(connect(database))
-    await migrate.upgrade(s.engine)
-    yield s
-    await s.close()
 
 
 async def test_sealed_at_rest_bound_to_owner_and_rotated(store: Store) -> None:
@@ -58,12 +48,12 @@ async def test_sealed_at_rest_bound_to_owner_and_rotated(store: Store) -> None:
         await store.open_secrets(a.id, ["token"], old)
 
 
-def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from space.config import sealing_keys
+def test_keys_from_the_environment() -> None:
+    from space.settings import Settings
 
     raw = base64.b64encode(b"x" * 32).decode()
-    monkeypatch.setenv("SPACE_SECRETS_KEYS", f"new:{raw},old:{raw}")
-    assert [kid for kid, _ in sealing_keys()] == ["new", "old"]
-    monkeypatch.setenv("SPACE_SECRETS_KEYS", "short:" + base64.b64encode(b"x").decode())
+    settings = Settings.from_env({"SPACE_SECRETS_KEYS": f"new:{raw},old:{raw}"})
+    assert [kid for kid, _ in settings.load_sealing_keys()] == ["new", "old"]
+    short = Settings.from_env({"SPACE_SECRETS_KEYS": "short:" + base64.b64encode(b"x").decode()})
     with pytest.raises(ValueError, match="32 bytes"):
-        sealing_keys()
+        short.load_sealing_keys()

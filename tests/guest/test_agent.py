@@ -11,45 +11,12 @@ import asyncio
 import hashlib
 import os
 import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from space.worker.agent_client import AgentAuthError, AgentClient, AgentError
-
-TOKEN = "test-token-0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def agent_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    tmp = tmp_path_factory.mktemp("agent")
-    sock, token_file = tmp / "agent.sock", tmp / "token"
-    token_file.write_text(TOKEN)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "space.guest.agent", "--listen-unix", str(sock),
-         "--token-file", str(token_file)],
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
-    for _ in range(200):
-        if sock.exists():
-            break
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        subprocess.run(["sleep", "0.02"], check=True)
-    yield sock
-    proc.terminate()
-    proc.wait(5)
-
-
-@pytest.fixture
-async def agent(agent_socket: Path) -> AsyncIterator[AgentClient]:
-    client = await AgentClient.connect(
-        lambda: asyncio.open_unix_connection(str(agent_socket)), TOKEN, timeout=5
-    )
-    yield client
-    await client.close()
 
 
 async def test_stdout_and_stderr_are_separate_and_exit_code_reported(agent: AgentClient) -> None:

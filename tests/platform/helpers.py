@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+from space.db.store import Store, connect
 
 
 def create(c: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -24,7 +29,17 @@ def exec_events(c: httpx.Client, sandbox_id: str, **body: Any) -> list[dict[str,
 
 def run(c: httpx.Client, sandbox_id: str, cmd: str, **body: Any) -> tuple[bytes, bytes, int]:
     """stdout, stderr and the exit code of `cmd`."""
-    events = exec_events(c, sandbox_id, cmd=cmd, **body)
+    return _outcome(exec_events(c, sandbox_id, cmd=cmd, **body))
+
+
+def run_argv(
+    c: httpx.Client, sandbox_id: str, argv: list[str], **body: Any
+) -> tuple[bytes, bytes, int]:
+    """stdout, stderr and the exit code of `argv`, run with no shell."""
+    return _outcome(exec_events(c, sandbox_id, argv=argv, **body))
+
+
+def _outcome(events: list[dict[str, Any]]) -> tuple[bytes, bytes, int]:
     out = b"".join(base64.b64decode(e["data"]) for e in events if e["type"] == "stdout")
     err = b"".join(base64.b64decode(e["data"]) for e in events if e["type"] == "stderr")
     exits = [e for e in events if e["type"] == "exit"]
@@ -71,3 +86,44 @@ def counter_runs(c: httpx.Client, sandbox_id: str, pid: int) -> bool:
         if run(c, sandbox_id, "cat /tmp/counter")[0] != first:
             return True
     return False
+
+
+FETCH = """
+import sys, urllib.request as u
+req = u.Request(sys.argv[1], headers=dict(h.split(":", 1) for h in sys.argv[2:]))
+try:
+    print(u.urlopen(req, timeout=20).read().decode())
+except Exception as e:
+    print(f"refused: {e}")
+    sys.exit(3)
+"""
+
+
+def fetch(c: httpx.Client, sandbox_id: str, url: str, *headers: str) -> tuple[int, str]:
+    """Exit code and output of an HTTP(S) request made with Python inside the sandbox."""
+    events = exec_events(c, sandbox_id, argv=["python3", "-c", FETCH, url, *headers])
+    out = b"".join(base64.b64decode(e["data"]) for e in events if e["type"] == "stdout")
+    return next(e["exit_code"] for e in events if e["type"] == "exit"), out.decode().strip()
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The most memory the process has held (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def key_with_quotas(database_url: str, prefix: str, quotas: dict[str, int]) -> str:
+    """An API key of a new tenant with these quota overrides."""
+
+    async def make() -> str:
+        store = Store(connect(database_url, pool_size=1))
+        try:
+            tenant = await store.create_tenant(f"{prefix}-{secrets.token_hex(4)}")
+            await store.set_quotas(tenant.id, quotas)
+            return await store.create_api_key(tenant.id)
+        finally:
+            await store.close()
+
+    return asyncio.run(make())

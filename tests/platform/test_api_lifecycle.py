@@ -10,7 +10,7 @@ import pytest
 import wsproto.events
 from httpx_ws import connect_ws
 
-from .conftest import Platform
+from ..stack import Platform
 from .helpers import counter_runs, create, exec_events, run, start_counter, wait_state
 
 pytestmark = pytest.mark.vm
@@ -79,9 +79,11 @@ def test_idempotent_create_and_client_chosen_ids(platform: Platform) -> None:
         second = c.post("/v1/sandboxes", json={}, headers=key)
         assert first.status_code == 201 and second.status_code == 200
         assert first.json()["id"] == second.json()["id"]
-        mine = f"mine-{os.urandom(4).hex()}"
-        assert create(c, id=mine)["id"] == mine
-        assert c.post("/v1/sandboxes", json={"id": mine}).status_code == 200
+        chosen = f"mine-{os.urandom(4).hex()}"
+        mine = create(c, id=chosen)["id"]
+        assert mine.startswith(f"{chosen}-")
+        again = c.post("/v1/sandboxes", json={"id": chosen})
+        assert again.status_code == 200 and again.json()["id"] == mine
         for sid in (first.json()["id"], mine):
             c.delete(f"/v1/sandboxes/{sid}")
 
@@ -89,14 +91,15 @@ def test_idempotent_create_and_client_chosen_ids(platform: Platform) -> None:
 def test_list_filters_and_pagination(platform: Platform) -> None:
     with platform.client() as c:
         tag = os.urandom(4).hex()
-        ids = {create(c, metadata={"tag": tag}, **{"id": f"ls-{tag}-{i}"})["id"] for i in range(3)}
-        c.post(f"/v1/sandboxes/ls-{tag}-0/pause")
+        made = [create(c, metadata={"tag": tag}, **{"id": f"ls-{tag}-{i}"})["id"] for i in range(3)]
+        ids = set(made)
+        c.post(f"/v1/sandboxes/{made[0]}/pause")
         page = c.get("/v1/sandboxes", params={"metadata.tag": tag, "limit": 2}).json()
         assert len(page["items"]) == 2 and page["next_cursor"]
         rest = c.get("/v1/sandboxes", params={"metadata.tag": tag, "cursor": page["next_cursor"]})
         assert {s["id"] for s in page["items"] + rest.json()["items"]} == ids
         paused = c.get("/v1/sandboxes", params={"metadata.tag": tag, "state": "paused"}).json()
-        assert [s["id"] for s in paused["items"]] == [f"ls-{tag}-0"]
+        assert [s["id"] for s in paused["items"]] == [made[0]]
         for sid in ids:
             c.delete(f"/v1/sandboxes/{sid}", params={"wait": "false"})
 

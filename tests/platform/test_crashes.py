@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from space.db import embedded
 
-from ..vm.conftest import vmm_pids
-from .conftest import Platform, Service
+from ..leaks import counts, resources
+from ..stack import Platform, Service
 from .helpers import counter_runs, create, run, start_counter, wait_state
 
 pytestmark = pytest.mark.vm
@@ -118,32 +116,19 @@ def test_two_workers_share_the_load(platform: Platform) -> None:
             c.delete(f"/v1/sandboxes/{sid}")
 
 
-def _platform_vmms(worker_ids: list[str]) -> set[int]:
-    """VMM processes of these workers only (other deployments may share the host)."""
-    pool = Path("/var/lib/space/pool/workers")
-    return set().union(*(vmm_pids(pool / w) for w in worker_ids))
-
-
-def _host_resources(worker_ids: list[str]) -> dict[str, object]:
-    mounts = Path("/proc/mounts").read_text().count("\n")
-    netns = len(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else 0
-    taps = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("tap"))
-    pool = Path("/var/lib/space/pool/workers")
-    run_dirs = sorted(str(p) for w in worker_ids for p in (pool / w).glob("vms/*"))
-    return {
-        "vmm": _platform_vmms(worker_ids),
-        "mounts": mounts,
-        "netns": netns,
-        "taps": taps,
-        "dirs": run_dirs,
-    }
-
-
 def test_fifty_concurrent_creates_and_deletes_leak_nothing(platform: Platform) -> None:
     with platform.client() as c:  # warm the base snapshots first, so the count is steady
         c.delete(f"/v1/sandboxes/{create(c, memory_mib=128)['id']}")
     workers = list(platform.workers)
-    before = _host_resources(workers)
+    before = resources(workers)
+    # The count must see what it counts: a sandbox has a VMM, a namespace with its tap in it,
+    # a host link and a run directory, each found where it lives.
+    with platform.client() as c:
+        probe = create(c, memory_mib=128)["id"]
+        during = counts(workers)
+        c.delete(f"/v1/sandboxes/{probe}")
+    for kind in ("vmm", "netns", "taps", "host_links", "vm_dirs"):
+        assert during[kind] >= 1, (kind, during)
 
     def one(_: int) -> str:
         with platform.client() as c:
@@ -158,9 +143,9 @@ def test_fifty_concurrent_creates_and_deletes_leak_nothing(platform: Platform) -
         ids = list(pool.map(one, range(50)))
     assert len(set(ids)) == 50
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _host_resources(workers) != before:
+    while time.monotonic() < deadline and resources(workers) != before:
         time.sleep(0.5)
-    assert _host_resources(workers) == before
+    assert resources(workers) == before
 
 
 def test_a_standby_controller_takes_over_and_never_acts_twice(platform: Platform) -> None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from space.api.app import OPENAPI_FILE
 
-from .conftest import Platform
+from ..stack import Platform
 from .helpers import create
 
 pytestmark = pytest.mark.vm

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..stack import Platform
 from ..vm.conftest import vmm_pids
-from .conftest import Platform
-from .helpers import create, exec_events, run
+from .helpers import create, exec_events, run, run_argv
 
 POOL = Path("/var/lib/space/pool/workers")
 
@@ -35,3 +35,53 @@ def test_memory_and_fork_exhaustion_stay_in_their_sandbox(platform: Platform) ->
         assert r.status_code == 200 and r.json()["state"] == "deleted", r.text
         assert not [p for w in platform.workers for p in vmm_pids(POOL / w / "vms" / hog["id"])]
         c.delete(f"/v1/sandboxes/{neighbour['id']}")
+
+
+# Stands in for every program the worker might run in a guest: it leaves a mark on the volume
+# and floods whoever reads its output.
+HOSTILE = """#!/usr/bin/python3
+import os, sys
+with open("/data/pwned", "a") as f:
+    f.write(sys.argv[0] + "\\n")
+os.write(1, b"x" * (64 << 20))
+"""
+REPLACED = ["/usr/local/bin/sync", "/usr/local/sbin/umount", "/usr/local/sbin/mount",
+            "/usr/local/sbin/resize2fs", "/usr/bin/sync", "/usr/bin/umount", "/usr/bin/mount",
+            "/usr/sbin/resize2fs", "/usr/bin/cat", "/usr/bin/cp", "/bin/sh"]  # fmt: skip
+
+
+def test_the_worker_runs_no_program_of_the_guest_for_itself(platform: Platform) -> None:
+    """A tenant replaces sync, mount, umount, resize2fs, cat, cp and sh in its sandbox: suspend,
+    resume and delete (which flush, unmount and snapshot) still work, none of those programs
+    runs, and the volume's data is flushed by the agent's own calls."""
+    with platform.client() as c:
+        r = c.post("/v1/volumes", json={"name": "duties", "size_mib": 64})
+        assert r.status_code == 201, r.text
+        vol = r.json()["id"]
+        attach = {"volume": vol, "path": "/data"}
+        sb = create(c, volumes=[attach], disk_mib=2048)
+        sid = sb["id"]
+        assert sb["state"] == "running", sb
+        plant = "; ".join(f"install -D -m 755 /tmp/hostile {p}" for p in REPLACED if p != "/bin/sh")
+        # cp before cp is replaced (the hostile one would leave its mark).
+        first = "echo kept > /data/note; cp /tmp/hostile /usr/bin/sh.new"
+        _, err, code = run(c, sid, f"cat > /tmp/hostile <<'EOF'\n{HOSTILE}EOF\n{first}; {plant}")
+        assert code == 0, err
+        # The last one by rename within its directory: an exec of sh is not needed for it.
+        swap = ["/usr/bin/python3", "-c", "import os; os.replace('/usr/bin/sh.new', '/bin/sh')"]
+        _, err, code = run_argv(c, sid, swap)
+        assert code == 0, err
+
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").json()["state"] == "suspended"
+        assert c.post(f"/v1/sandboxes/{sid}/resume").json()["state"] == "running"
+        look = ["/usr/bin/python3", "-c", "import os; print(os.path.exists('/data/pwned'))"]
+        assert run_argv(c, sid, look)[0] == b"False\n"
+        assert c.delete(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"
+
+        # The volume, attached elsewhere: flushed by the agent's unmount, and never marked.
+        other = create(c, volumes=[attach])
+        out, err, code = run(c, other["id"], "cat /data/note; ls /data")
+        assert code == 0, err
+        assert out.split() == [b"kept", b"lost+found", b"note"], out
+        c.delete(f"/v1/sandboxes/{other['id']}")
+        c.delete(f"/v1/volumes/{vol}")

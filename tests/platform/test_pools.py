@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ..stack import Platform
 from ..vm.conftest import vmm_pids
-from .conftest import Platform
 from .helpers import create, run
 
 SHAPE = {"vcpus": 1, "memory_mib": 192, "disk_mib": 1024}
@@ -132,10 +132,19 @@ def test_concurrent_creates_never_share_a_member(admin: httpx.Client, platform: 
             c.delete(f"/v1/sandboxes/{sb['id']}")
 
 
+def settled_members(platform: Platform, timeout: float = 30) -> set[str]:
+    """The members once sandboxes deleted just before have left their workers' disks: a
+    delete answers before the worker has removed the VM's directory."""
+    deadline = time.monotonic() + timeout
+    while len(held := members(platform)) != SIZE and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(held) == SIZE, f"workers hold {platform.rows(held)} beyond our tenants' sandboxes"
+    return held
+
+
 def test_members_are_nobodys_until_claimed(admin: httpx.Client, platform: Platform) -> None:
     wait_ready(admin, SIZE)
-    unclaimed = members(platform)
-    assert len(unclaimed) == SIZE
+    unclaimed = settled_members(platform)
     for key in (platform.key_a, platform.key_b, platform.admin_key):
         with platform.client(key) as c:
             assert not listed(c) & unclaimed
@@ -159,7 +168,7 @@ def test_members_are_nobodys_until_claimed(admin: httpx.Client, platform: Platfo
 
 def test_a_broken_member_is_replaced(admin: httpx.Client, platform: Platform) -> None:
     wait_ready(admin, SIZE)
-    victim = sorted(members(platform))[0]
+    victim = sorted(settled_members(platform))[0]
     pids = {pid for wid in platform.workers for pid in vmm_pids(POOL_DIR / wid / "vms" / victim)}
     assert pids
     for pid in pids:
@@ -185,14 +194,22 @@ def test_pool_settings_are_checked(admin: httpx.Client, platform: Platform) -> N
 
 
 def test_metrics_show_hits_misses_and_refills(admin: httpx.Client, platform: Platform) -> None:
-    text = httpx.get(f"{platform.api_url}/metrics").text
+    auth = {"Authorization": f"Bearer {platform.metrics_token}"}
+    for url in (f"{platform.api_url}/metrics", platform.controller_metrics):
+        for wrong in (
+            {},
+            {"Authorization": "Bearer nope"},
+            {"Authorization": f"Bearer {platform.key_a}"},
+        ):
+            assert httpx.get(url, headers=wrong).status_code == 401, (url, wrong)
+    text = httpx.get(f"{platform.api_url}/metrics", headers=auth).text
     hits = re.search(r'space_pool_claims_total\{result="hit",template="base"\} (\d+)', text)
     misses = re.search(r'space_pool_claims_total\{result="miss",template="base"\} (\d+)', text)
     assert hits and int(hits[1]) >= 1 and misses and int(misses[1]) >= 1, text
     pool_creates = r'space_sandbox_create_seconds_count\{boot="pool",template="base"\} [1-9]'
     assert re.search(pool_creates, text)
     assert f'space_pool_size{{template="base"}} {SIZE}.0' in text
-    controller = httpx.get(platform.controller_metrics).text
+    controller = httpx.get(platform.controller_metrics, headers=auth).text
     refills = re.search(r'space_pool_refill_seconds_count\{template="base"\} (\d+)', controller)
     assert refills and int(refills[1]) >= SIZE, controller
     assert re.search(r'space_pool_dropped_total\{template="base",why="broken"\} [1-9]', controller)

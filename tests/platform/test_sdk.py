@@ -15,7 +15,7 @@ import pytest
 
 import space
 
-from .conftest import Platform
+from ..stack import Platform
 
 pytestmark = pytest.mark.vm
 

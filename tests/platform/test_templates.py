@@ -23,7 +23,7 @@ from tests.templates.conftest import PASSWORD, USER, Registry
 from tests.templates.conftest import private_registry as private_registry  # a fixture
 from tests.templates.helpers import LAYER_TYPES, Image, compress, file, tar_bytes
 
-from .conftest import Platform
+from ..stack import Platform
 from .helpers import create, run
 
 POOL = Path("/var/lib/space/pool")

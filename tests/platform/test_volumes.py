@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from .conftest import Platform
+from ..stack import Platform
 from .helpers import create, run, wait_state
 
 VOLUMES = Path("/var/lib/space/pool/volumes")

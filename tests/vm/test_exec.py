@@ -30,7 +30,9 @@ async def test_ten_megabytes_on_each_stream_arrive_whole(machine: Machine) -> No
     )
     sums = await machine.agent.run("sha256sum /tmp/out /tmp/err")
     want = [line.split()[0] for line in sums.stdout.decode().splitlines()]
-    r = await machine.agent.run("cat /tmp/out; cat /tmp/err >&2", timeout=120)
+    r = await machine.agent.run(
+        "cat /tmp/out; cat /tmp/err >&2", timeout=120, max_output=10_000_000
+    )
     assert r.exit_code == 0
     assert len(r.stdout) == len(r.stderr) == 10_000_000
     assert [hashlib.sha256(r.stdout).hexdigest(), hashlib.sha256(r.stderr).hexdigest()] == want

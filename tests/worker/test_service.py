@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,43 +24,36 @@ import pytest
 import wsproto.events as wse
 from httpx_ws import WebSocketUpgradeError, aconnect_ws
 
-from space.worker.local import LocalRuntime, local_runtime
-from space.worker.service import serve
-from space.worker.vms import VMManager, VMManagerError
+from space.worker.api.server import serve
+from space.worker.local import LocalRuntime
+from space.worker.sandboxes import VMManager, VMManagerError
 from tests.vm.conftest import vmm_pids
+from tests.worker.harness import free_port, manager
 
 pytestmark = pytest.mark.vm
 
 SECRET = "test-secret-" + uuid.uuid4().hex
-AUTH = {"Authorization": f"Bearer {SECRET}"}
+AUTH = {"Authorization": f"Bearer {SECRET}", "Space-Epoch": "1"}
 COUNTER = (
     "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
     ">/dev/null 2>&1 & echo $!"
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Worker:
     """A VMManager served by `serve()` in this event loop, and an HTTP client for it."""
 
-    def __init__(self, runtime: LocalRuntime, worker_id: str) -> None:
+    def __init__(self, runtime: LocalRuntime, worker_id: str, capacity_vcpus: int = 8) -> None:
         self.runtime = runtime
         self.worker_id = worker_id
+        self.capacity_vcpus = capacity_vcpus
         self.manager: VMManager
         self.http: httpx.AsyncClient
         self.url = ""
         self._server: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self.manager = VMManager(
-            self.runtime, self.worker_id, capacity_vcpus=8, capacity_memory_mib=4096,
-            reconcile_grace_s=0,
-        )  # fmt: skip
+        self.manager = manager(self.runtime, self.worker_id, self.capacity_vcpus)
         await self.manager.start()
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -139,13 +131,6 @@ async def process_ends(w: Worker, vm_id: str, pid: int) -> None:
 
 
 @pytest.fixture(scope="module")
-async def runtime() -> LocalRuntime:
-    if os.geteuid() != 0:
-        pytest.fail("the worker tests need root (loop devices, btrfs, QEMU)")
-    return await local_runtime()
-
-
-@pytest.fixture(scope="module")
 async def worker(runtime: LocalRuntime) -> AsyncIterator[Worker]:
     w = Worker(runtime, f"test-{uuid.uuid4().hex[:8]}")
     await w.start()
@@ -182,7 +167,28 @@ async def test_every_route_needs_the_secret(worker: Worker) -> None:
             assert e.value.response.status_code == 401
     health = (await worker.http.get("/health")).json()
     assert health["worker_id"] == worker.worker_id
-    assert health["capacity"] == {"vcpus": 8, "memory_mib": 4096}
+    # 1 GiB of it is the worker's reserve: what sandboxes may use is the rest.
+    assert health["capacity"]["vcpus"] == 8 and health["capacity"]["memory_mib"] == 3072
+    assert health["capacity"]["disk_mib"] > 0 and health["healthy"] is True
+
+
+async def test_lifecycle_calls_are_fenced_by_the_leaders_epoch(worker: Worker) -> None:
+    base = {"Authorization": f"Bearer {SECRET}"}
+    async with httpx.AsyncClient(base_url=worker.url, headers=base, timeout=30) as c:
+        resp = await c.delete("/vms/fenced")  # no epoch at all
+        assert resp.status_code == 428 and resp.json()["code"] == "epoch_required"
+        # A new leader's first probe raises the fence; the old leader's calls are refused.
+        assert (await c.get("/health", headers={"Space-Epoch": "7"})).json()["epoch"] == 7
+        resp = await c.delete("/vms/fenced", headers={"Space-Epoch": "6"})
+        assert resp.status_code == 412 and resp.json()["code"] == "stale_epoch"
+        assert "epoch 6 is stale" in resp.json()["detail"]
+        assert (await c.get("/health", headers={"Space-Epoch": "1"})).status_code == 412
+        assert (await c.delete("/vms/fenced", headers={"Space-Epoch": "7"})).status_code == 204
+        # The data plane is not fenced: the API server holds no epoch.
+        assert (await c.get("/vms/fenced/files/stat", params={"path": "/"})).status_code == 404
+    # The fence is on disk: a restarted worker still refuses the old leader.
+    assert (worker.manager.root / "epoch").read_text() == "7"
+    AUTH["Space-Epoch"] = worker.http.headers["Space-Epoch"] = "7"  # for the tests after this
 
 
 async def test_create_restores_the_base_snapshot_and_is_idempotent(worker: Worker, vm: str) -> None:
@@ -200,8 +206,11 @@ async def test_create_restores_the_base_snapshot_and_is_idempotent(worker: Worke
     again = await worker.http.put("/vms/second", json={"hostname": "second-host"})
     assert again.json() == second
     health = (await worker.http.get("/health")).json()
-    assert {"id": "second", "state": "running", "policy": True} in health["vms"]
-    assert health["used"] == {"vcpus": 2, "memory_mib": 512}
+    entry = next(v for v in health["vms"] if v["id"] == "second")
+    assert (entry["state"], entry["policy"], entry["crashed"]) == ("running", True, False)
+    # Each VM counts its guest RAM and what its VMM costs beyond it.
+    assert health["used"]["vcpus"] == 2
+    assert health["used"]["memory_mib"] == 512 + 2 * health["overhead_mib"]
     assert (await worker.http.delete("/vms/second")).status_code == 204
 
 
@@ -215,10 +224,10 @@ async def test_concurrent_creates_share_one_base_build(worker: Worker, vm: str) 
     assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
     assert sorted(r.json()["boot"] for r in answers[:2]) == ["cold", "restore"]
     assert answers[1].json() == answers[2].json()  # one VM, asked for twice at once
-    assert sorted(p.name for p in worker.manager.base_dir.iterdir()) == [
+    assert sorted(p.name for p in worker.manager.layout.base.iterdir()) == [
         "base-1-192", "base-1-256",
     ]  # fmt: skip
-    assert list(worker.manager.building_dir.iterdir()) == []
+    assert list(worker.manager.layout.building.iterdir()) == []
     for vm_id in ("twin-a", "twin-b"):
         assert (await worker.http.delete(f"/vms/{vm_id}")).status_code == 204
 
@@ -233,6 +242,7 @@ async def test_create_refuses_bad_requests_clearly(worker: Worker, vm: str) -> N
         ({"template": "nope"}, 404, "no template 'nope'"),
         ({"vcpus": 9}, 507, "no room for 9 vCPUs"),
         ({"memory_mib": 8192}, 507, "no room for 8192 MiB"),
+        ({"disk_mib": 1 << 20}, 507, "no room for"),
     ]
     for body, status, words in cases:
         kw: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -440,15 +450,15 @@ async def test_files_stream_both_ways(worker: Worker, vm: str) -> None:
 async def test_pause_resume_keeps_a_process_alive(worker: Worker, vm: str) -> None:
     pid = (await worker.run(vm, COUNTER)).strip()
     assert await counter_advances(worker, vm)
-    assert (await worker.http.post(f"/vms/{vm}/pause")).json() == {"state": "paused"}
-    assert (await worker.http.post(f"/vms/{vm}/pause")).json() == {"state": "paused"}
+    assert (await worker.http.post(f"/vms/{vm}/pause")).json()["state"] == "paused"
+    assert (await worker.http.post(f"/vms/{vm}/pause")).json()["state"] == "paused"
     assert await worker.state(vm) == "paused"
     for method, path in (("POST", "exec"), ("GET", "files/stat?path=/"), ("GET", "files?path=/x")):
         resp = await worker.http.request(method, f"/vms/{vm}/{path}", json={"cmd": "true"})
         assert resp.status_code == 409, (path, resp.text)
         assert resp.json()["state"] == "paused"
-    assert (await worker.http.post(f"/vms/{vm}/resume")).json() == {"state": "running"}
-    assert (await worker.http.post(f"/vms/{vm}/resume")).json() == {"state": "running"}
+    assert (await worker.http.post(f"/vms/{vm}/resume")).json()["state"] == "running"
+    assert (await worker.http.post(f"/vms/{vm}/resume")).json()["state"] == "running"
     assert await worker.run(vm, f"kill -0 {pid} && echo alive") == "alive\n"
     assert await counter_advances(worker, vm)
     await worker.run(vm, f"kill {pid}")
@@ -464,22 +474,22 @@ async def test_suspend_and_resume_keep_processes_and_files(worker: Worker) -> No
     pids_before = worker.pids()
 
     resp = await worker.http.post("/vms/sleeper/suspend")
-    assert resp.json() == {"state": "suspended"}, resp.text
-    assert (await worker.http.post("/vms/sleeper/suspend")).json() == {"state": "suspended"}
+    assert resp.json()["state"] == "suspended", resp.text
+    assert (await worker.http.post("/vms/sleeper/suspend")).json()["state"] == "suspended"
     assert await worker.state("sleeper") == "suspended"
     assert len(pids_before - worker.pids()) == 1  # its VMM process is gone
-    assert (worker.manager.suspended_dir / "sleeper" / "snapshot.json").exists()
-    assert not (worker.manager.vms_dir / "sleeper").exists()
+    assert (worker.manager.layout.suspended / "sleeper" / "snapshot.json").exists()
+    assert not (worker.manager.layout.vms / "sleeper").exists()
     resp = await worker.http.post("/vms/sleeper/exec", json={"cmd": "true"})
     assert resp.status_code == 409 and resp.json()["state"] == "suspended"
     assert (await worker.http.post("/vms/sleeper/pause")).status_code == 409
     health = (await worker.http.get("/health")).json()
-    assert health["used"]["vcpus"] == 1  # a suspended VM holds no CPU or memory
+    assert health["used"]["vcpus"] == 2  # a suspended VM keeps the room its resume needs
 
     started = time.perf_counter()
-    assert (await worker.http.post("/vms/sleeper/resume")).json() == {"state": "running"}
+    assert (await worker.http.post("/vms/sleeper/resume")).json()["state"] == "running"
     assert time.perf_counter() - started < 3
-    assert not (worker.manager.suspended_dir / "sleeper").exists()
+    assert not (worker.manager.layout.suspended / "sleeper").exists()
     assert await worker.run("sleeper", f"kill -0 {pid} && echo alive") == "alive\n"
     assert await counter_advances(worker, "sleeper")
     kept = await worker.http.get("/vms/sleeper/files", params={"path": "/root/kept"})
@@ -487,8 +497,8 @@ async def test_suspend_and_resume_keep_processes_and_files(worker: Worker) -> No
     assert await worker.run("sleeper", "hostname") == "sleepy\n"
     # Suspended straight from paused, too.
     await worker.http.post("/vms/sleeper/pause")
-    assert (await worker.http.post("/vms/sleeper/suspend")).json() == {"state": "suspended"}
-    assert (await worker.http.post("/vms/sleeper/resume")).json() == {"state": "running"}
+    assert (await worker.http.post("/vms/sleeper/suspend")).json()["state"] == "suspended"
+    assert (await worker.http.post("/vms/sleeper/resume")).json()["state"] == "running"
     assert await worker.run("sleeper", f"kill {pid} && cat /root/kept") == "kept"
 
 
@@ -496,8 +506,8 @@ async def test_delete_removes_everything_and_is_idempotent(worker: Worker) -> No
     await worker.http.put("/vms/doomed", json={})
     await worker.http.post("/vms/doomed/suspend")
     await worker.http.put("/vms/doomed2", json={})
-    assert (worker.manager.vms_dir / "doomed2").is_dir()
-    assert (worker.manager.suspended_dir / "doomed").is_dir()
+    assert (worker.manager.layout.vms / "doomed2").is_dir()
+    assert (worker.manager.layout.suspended / "doomed").is_dir()
     pids = worker.pids()
     for vm_id in ("doomed", "doomed2"):
         assert (await worker.http.delete(f"/vms/{vm_id}")).status_code == 204
@@ -506,14 +516,15 @@ async def test_delete_removes_everything_and_is_idempotent(worker: Worker) -> No
             await worker.http.post(f"/vms/{vm_id}/exec", json={"cmd": "true"})
         ).status_code == 404
         assert await worker.state(vm_id) is None
-    assert not (worker.manager.vms_dir / "doomed2").exists()
-    assert not (worker.manager.suspended_dir / "doomed").exists()
+    assert not (worker.manager.layout.vms / "doomed2").exists()
+    assert not (worker.manager.layout.suspended / "doomed").exists()
     assert len(pids - worker.pids()) == 1
 
 
-async def test_a_vm_whose_vmm_died_says_so(worker: Worker) -> None:
+async def test_a_vm_whose_vmm_died_says_so_and_boots_again_from_its_disk(worker: Worker) -> None:
     pids = worker.pids()
     await worker.http.put("/vms/crashing", json={})
+    await worker.run("crashing", "echo survived > /root/file && sync")
     (pid,) = worker.pids() - pids
     os.kill(pid, signal.SIGKILL)
     for _ in range(100):
@@ -522,12 +533,20 @@ async def test_a_vm_whose_vmm_died_says_so(worker: Worker) -> None:
         if entry["state"] == "error":
             break
         await asyncio.sleep(0.05)
-    assert "killed by signal 9" in entry["reason"], entry
+    assert "killed by signal 9" in entry["reason"] and entry["crashed"], entry
     resp = await worker.http.post("/vms/crashing/exec", json={"cmd": "true"})
     assert resp.status_code == 409 and "killed by signal 9" in resp.json()["detail"]
     assert (await worker.http.post("/vms/crashing/pause")).status_code == 409
+    # Its disk is kept: a create of it boots it again from there, with its files.
+    assert (worker.manager.layout.vms / "crashing" / "disk.img").exists()
+    again = await worker.http.put("/vms/crashing", json={})
+    assert again.status_code == 200 and again.json()["boot"] == "reboot", again.text
+    assert await worker.run("crashing", "cat /root/file") == "survived\n"
+    entry = next(v for v in (await worker.http.get("/health")).json()["vms"]
+                 if v["id"] == "crashing")  # fmt: skip
+    assert entry["state"] == "running" and entry["rebooted"] and not entry["crashed"]
     assert (await worker.http.delete("/vms/crashing")).status_code == 204
-    assert not (worker.manager.vms_dir / "crashing").exists()
+    assert not (worker.manager.layout.vms / "crashing").exists()
 
 
 async def test_a_restarted_worker_adopts_its_vms(worker: Worker, vm: str) -> None:
@@ -541,27 +560,32 @@ async def test_a_restarted_worker_adopts_its_vms(worker: Worker, vm: str) -> Non
     (victim,) = worker.pids() - pids
     main_pid = (await worker.run(vm, "sleep 1000 >/dev/null 2>&1 & echo $!")).strip()
 
+    await worker.run("victim", "echo mine > /root/mine && sync")
     with pytest.raises(VMManagerError, match="another process runs worker"):
-        await VMManager(worker.runtime, worker.worker_id).start()
+        await manager(worker.runtime, worker.worker_id).start()
     await worker.stop(stop_vms=False)
     assert worker.pids() == pids | {victim}  # the VMs outlived their worker
     os.kill(victim, signal.SIGKILL)  # one dies while no worker watches
-    (worker.manager.vms_dir / "halfmade").mkdir()  # a create cut short: no sandbox.json
+    (worker.manager.layout.vms / "halfmade").mkdir()  # a create cut short: no sandbox.json
     await worker.start()
 
     states = {v["id"]: v["state"] for v in (await worker.http.get("/health")).json()["vms"]}
     assert states == {vm: "running", "sleeper": "running", "napping": "paused",
-                      "dormant": "suspended"}  # fmt: skip
+                      "dormant": "suspended", "victim": "error"}  # fmt: skip
     assert worker.pids() == pids
-    assert sorted(p.name for p in worker.manager.vms_dir.iterdir()) == [
-        vm, "napping", "sleeper",
+    # The dead one is kept (its disk is the sandbox's); only the half-made create is gone.
+    assert sorted(p.name for p in worker.manager.layout.vms.iterdir()) == [
+        vm, "napping", "sleeper", "victim",
     ]  # fmt: skip
+    assert (await worker.http.put("/vms/victim", json={})).json()["boot"] == "reboot"
+    assert await worker.run("victim", "cat /root/mine") == "mine\n"
+    assert (await worker.http.delete("/vms/victim")).status_code == 204
     assert await worker.run(vm, f"kill -0 {main_pid} && kill {main_pid} && echo ok") == "ok\n"
     assert (await worker.exec(vm, cmd="echo $FROM_SANDBOX"))[1]["data"] == "eWVzCg=="  # yes\n
     assert (await worker.http.post("/vms/napping/exec", json={"cmd": "true"})).status_code == 409
-    assert (await worker.http.post("/vms/napping/resume")).json() == {"state": "running"}
+    assert (await worker.http.post("/vms/napping/resume")).json()["state"] == "running"
     assert await worker.run("napping", "cat /root/mark") == "before\n"
-    assert (await worker.http.post("/vms/dormant/resume")).json() == {"state": "running"}
+    assert (await worker.http.post("/vms/dormant/resume")).json()["state"] == "running"
     assert await worker.run("dormant", "echo awake") == "awake\n"
     again = await worker.http.put(f"/vms/{vm}", json={})
     assert again.json()["boot"] == "cold"  # what it was made by, remembered across the restart
@@ -569,7 +593,7 @@ async def test_a_restarted_worker_adopts_its_vms(worker: Worker, vm: str) -> Non
 
 async def test_reconcile_removes_what_is_not_wanted(worker: Worker, vm: str) -> None:
     await worker.http.post("/vms/dormant/suspend")
-    stray = worker.manager.vms_dir / "stray"
+    stray = worker.manager.layout.vms / "stray"
     stray.mkdir()
     (stray / "junk").write_text("left by nobody")
     keep = {"keep": [vm, "sleeper", "unknown"]}
@@ -584,8 +608,8 @@ async def test_reconcile_removes_what_is_not_wanted(worker: Worker, vm: str) -> 
     }
     states = {v["id"] for v in (await worker.http.get("/health")).json()["vms"]}
     assert states == {vm, "sleeper"}
-    assert sorted(p.name for p in worker.manager.vms_dir.iterdir()) == [vm, "sleeper"]
-    assert list(worker.manager.suspended_dir.iterdir()) == []
+    assert sorted(p.name for p in worker.manager.layout.vms.iterdir()) == [vm, "sleeper"]
+    assert list(worker.manager.layout.suspended.iterdir()) == []
     assert len(worker.pids()) == 2
     for body in ({}, {"keep": "main"}, {"keep": [1]}):
         assert (await worker.http.post("/reconcile", json=body)).status_code == 400
@@ -597,5 +621,9 @@ async def test_nothing_is_left_behind(worker: Worker, vm: str) -> None:
     }
     assert worker.pids() == set()
     await worker.stop(stop_vms=True)
-    for d in (worker.manager.vms_dir, worker.manager.suspended_dir, worker.manager.building_dir):
+    for d in (
+        worker.manager.layout.vms,
+        worker.manager.layout.suspended,
+        worker.manager.layout.building,
+    ):
         assert list(d.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -10,39 +11,63 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from space import __version__
+from space import __version__, crashpoints
 from space.api import (
+    checkpoints,
+    console,
     data,
     errors,
     ingress,
+    join,
+    me,
     metrics,
+    quotas,
     sandboxes,
     secrets,
+    stats,
     templates,
+    tenants,
     volumes,
+    workers,
 )
 from space.api.deps import Services
-from space.config import sealing_keys
+from space.api.limits import BodyLimit, RateLimiter
 from space.db import migrate
 from space.db.listen import Listener
 from space.db.sealing import Sealer
 from space.db.store import Store, connect
-from space.worker.client import WorkerClient
+from space.identity import WorkerCA
+from space.logs import RequestLog
+from space.settings import Settings
+from space.worker.api.client import WorkerClient
 
+SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([A-Za-z0-9_.-]{1,100})(?:/|$)")
+QUIET = frozenset({"/healthz", "/metrics"})  # probes and scrapes: a line each only at DEBUG
 OPENAPI_FILE = Path(__file__).resolve().parents[3] / "docs" / "openapi.json"
 
 
-def create_app(database_url: str, worker_secret: str) -> FastAPI:
+def create_app(settings: Settings, database_url: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        crashpoints.arm(settings.crash_at)
         store = Store(connect(database_url))
         await migrate.upgrade(store.engine)
         listener = Listener(database_url)
         await listener.start()
-        workers = WorkerClient(worker_secret)
-        sealer = Sealer(sealing_keys(), reload=sealing_keys)
+        ca = WorkerCA(settings.worker_ca_dir) if settings.worker_ca_dir else None
+        workers = WorkerClient(
+            settings.load_worker_secret(), tls=ca.client_context() if ca else None
+        )
+        sealer = Sealer(settings.load_sealing_keys(), reload=settings.load_sealing_keys)
         app.state.services = Services(
-            store=store, listener=listener, workers=workers, sealer=sealer
+            store=store,
+            listener=listener,
+            workers=workers,
+            sealer=sealer,
+            settings=settings,
+            metrics_token=settings.load_metrics_token(),
+            rates=RateLimiter(settings.api.rate_limit, settings.api.rate_burst),
+            worker_ca=ca,
         )
         try:
             yield
@@ -58,13 +83,24 @@ def create_app(database_url: str, worker_secret: str) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
+    app.add_middleware(BodyLimit)  # before any body is read
+    # Outermost: even a refused request has its id and its line.
+    app.add_middleware(RequestLog, sandbox_path=SANDBOX_PATH, quiet=QUIET)
     app.include_router(sandboxes.router)
+    app.include_router(checkpoints.router)
+    app.include_router(stats.router)
     app.include_router(data.router)
     app.include_router(templates.router)
     app.include_router(volumes.router)
     app.include_router(secrets.router)
+    app.include_router(quotas.router)
+    app.include_router(me.router)
+    app.include_router(tenants.router)
+    app.include_router(workers.router)
+    app.include_router(join.router)
     app.include_router(ingress.router)
     app.include_router(metrics.router)
+    app.include_router(console.router)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:
@@ -74,16 +110,17 @@ def create_app(database_url: str, worker_secret: str) -> FastAPI:
 
 
 def openapi_document() -> str:
-    app = create_app("postgresql+asyncpg://unused/unused", "unused")
+    app = create_app(Settings(), "postgresql+asyncpg://unused/unused")
     return json.dumps(app.openapi(), indent=2, sort_keys=True) + "\n"
 
 
-async def serve(database_url: str, worker_secret: str, host: str, port: int) -> None:
+async def serve(settings: Settings, database_url: str) -> None:
     config = uvicorn.Config(
-        create_app(database_url, worker_secret),
-        host=host,
-        port=port,
+        create_app(settings, database_url),
+        host=settings.api.host,
+        port=settings.api.port,
         log_level="warning",
+        log_config=None,  # its lines go through our handler, in our format
         ws="wsproto",
         timeout_graceful_shutdown=5,
     )

@@ -6,28 +6,34 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
-from typing import Annotated, Any
+from typing import Annotated
 
 import httpx
 import wsproto.events as wse
 from fastapi import APIRouter, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response, StreamingResponse
-from httpx_ws import AsyncWebSocketSession, HTTPXWSException, aconnect_ws
+from httpx_ws import AsyncWebSocketSession, HTTPXWSException
 from httpx_ws import WebSocketDisconnect as UpstreamDisconnect
 from starlette.types import Receive, Scope, Send
 
 from space.api.deps import Caller, Services, Svc, ws_tenant
 from space.api.errors import APIError
-from space.api.schemas import ExecRequest, FileEntry, FileList, WriteResult
+from space.api.schemas import ExecRequest as PublicExecRequest
+from space.api.schemas import FileEntry, FileList, WriteResult
 from space.db.store import NotFound
+from space.worker.api.client import Worker
+from space.worker.api.models import NDJSON, ExecRequest
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["data"])
 
 AbsPath = Annotated[str, Query(pattern=r"^/", max_length=4096, description="absolute path")]
 
 
-async def target(svc: Services, tenant_id: str, sandbox_id: str) -> str:
-    return await svc.worker_url(await svc.store.get_sandbox(sandbox_id, tenant_id))
+async def target(svc: Services, tenant_id: str, sandbox_id: str) -> Worker:
+    """The worker of one of the caller's running sandboxes (404 for anyone else's); one the
+    idle policy paused is resumed for the call."""
+    row = await svc.in_use(await svc.store.get_sandbox(sandbox_id, tenant_id))
+    return await svc.running_on(row)
 
 
 class _RelayResponse(StreamingResponse):
@@ -46,24 +52,26 @@ class _RelayResponse(StreamingResponse):
 
 
 async def relay(
-    svc: Services, method: str, url: str, media_type: str, **kw: Any
+    upstream: AbstractAsyncContextManager[httpx.Response], media_type: str
 ) -> StreamingResponse:
     """Open the worker's stream first (so its errors become ours), then pass the body on."""
     stack = AsyncExitStack()
-    resp = await stack.enter_async_context(svc.workers.stream(method, url, **kw))
+    resp = await stack.enter_async_context(upstream)
     return _RelayResponse(resp.aiter_raw(), media_type, stack)
 
 
 @router.post("/exec", response_class=StreamingResponse)
 async def exec_stream(
-    sandbox_id: str, body: ExecRequest, svc: Svc, caller: Caller
+    sandbox_id: str, body: PublicExecRequest, svc: Svc, caller: Caller
 ) -> StreamingResponse:
     """Run a command; the answer streams NDJSON events: start, stdout, stderr, exit."""
     if body.pty:
         raise APIError(400, "a PTY needs the interactive WebSocket: /exec/ws")
-    url = await target(svc, caller.id, sandbox_id)
-    req = body.model_dump(exclude_none=True, exclude={"pty", "rows", "cols"})
-    return await relay(svc, "POST", f"{url}/exec", "application/x-ndjson", json=req)
+    worker = await target(svc, caller.id, sandbox_id)
+    req = ExecRequest.model_validate(
+        body.model_dump(exclude_none=True, exclude={"pty", "rows", "cols"})
+    )
+    return await relay(svc.workers.exec_stream(worker, sandbox_id, req), NDJSON)
 
 
 @router.websocket("/exec/ws")
@@ -71,18 +79,14 @@ async def exec_ws(websocket: WebSocket, sandbox_id: str) -> None:
     svc: Services = websocket.app.state.services
     try:
         caller = await ws_tenant(websocket)
-        url = await target(svc, caller.id, sandbox_id)
+        worker = await target(svc, caller.id, sandbox_id)
     except (APIError, NotFound) as e:
         await websocket.close(code=4404 if isinstance(e, NotFound) else 4000 + e.status,
                               reason=str(e)[:120])  # fmt: skip
         return
     await websocket.accept()
-    ws_url = url.replace("http://", "ws://", 1) + "/exec/ws"
     try:
-        connection: AbstractAsyncContextManager[AsyncWebSocketSession] = aconnect_ws(
-            ws_url, svc.workers.http, max_message_size_bytes=1 << 20
-        )
-        async with connection as up:
+        async with svc.workers.exec_ws(worker, sandbox_id) as up:
             await _pump_ws(websocket, up)
     except (HTTPXWSException, httpx.TransportError) as e:
         with contextlib.suppress(RuntimeError, WebSocketDisconnect):
@@ -127,9 +131,8 @@ async def _pump_ws(client: WebSocket, up: AsyncWebSocketSession) -> None:
 
 @router.get("/files", response_class=StreamingResponse)
 async def download(sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller) -> StreamingResponse:
-    url = await target(svc, caller.id, sandbox_id)
-    return await relay(svc, "GET", f"{url}/files", "application/octet-stream",
-                        params={"path": path})  # fmt: skip
+    worker = await target(svc, caller.id, sandbox_id)
+    return await relay(svc.workers.download(worker, sandbox_id, path), "application/octet-stream")
 
 
 @router.put("/files", response_model=WriteResult)
@@ -142,37 +145,33 @@ async def upload(
     mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
     make_parents: bool = False,
 ) -> WriteResult:
-    url = await target(svc, caller.id, sandbox_id)
-    params = {"path": path, "mode": mode, "make_parents": str(make_parents).lower()}
-    async with svc.workers.stream(
-        "PUT", f"{url}/files", params=params, content=request.stream()
-    ) as resp:
-        return WriteResult.model_validate_json(await resp.aread())
+    worker = await target(svc, caller.id, sandbox_id)
+    written = await svc.workers.upload(
+        worker, sandbox_id, path, request.stream(), mode=mode, make_parents=make_parents
+    )
+    return WriteResult(size=written.size)
 
 
 @router.get("/files/list", response_model=FileList)
 async def list_files(sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller) -> FileList:
-    url = await target(svc, caller.id, sandbox_id)
-    return FileList.model_validate(
-        await svc.workers.call("GET", f"{url}/files/list", params={"path": path})
-    )
+    worker = await target(svc, caller.id, sandbox_id)
+    listing = await svc.workers.list_dir(worker, sandbox_id, path)
+    return FileList.model_validate(listing.model_dump())
 
 
 @router.get("/files/stat", response_model=FileEntry)
 async def stat_file(sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller) -> FileEntry:
-    url = await target(svc, caller.id, sandbox_id)
-    return FileEntry.model_validate(
-        await svc.workers.call("GET", f"{url}/files/stat", params={"path": path})
-    )
+    worker = await target(svc, caller.id, sandbox_id)
+    entry = await svc.workers.stat(worker, sandbox_id, path)
+    return FileEntry.model_validate(entry.model_dump())
 
 
 @router.delete("/files", status_code=204)
 async def remove_file(
     sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller, recursive: bool = False
 ) -> Response:
-    url = await target(svc, caller.id, sandbox_id)
-    params = {"path": path, "recursive": str(recursive).lower()}
-    await svc.workers.call("DELETE", f"{url}/files", params=params)
+    worker = await target(svc, caller.id, sandbox_id)
+    await svc.workers.remove(worker, sandbox_id, path, recursive)
     return Response(status_code=204)
 
 
@@ -180,8 +179,6 @@ async def remove_file(
 async def make_dir(
     sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller, parents: bool = False
 ) -> FileEntry:
-    url = await target(svc, caller.id, sandbox_id)
-    params = {"path": path, "parents": str(parents).lower()}
-    return FileEntry.model_validate(
-        await svc.workers.call("POST", f"{url}/files/mkdir", params=params)
-    )
+    worker = await target(svc, caller.id, sandbox_id)
+    entry = await svc.workers.mkdir(worker, sandbox_id, path, parents)
+    return FileEntry.model_validate(entry.model_dump())

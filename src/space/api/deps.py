@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,13 +12,21 @@ from typing import Annotated
 
 from fastapi import Depends, Request, WebSocket
 
+from space import logs
 from space.api.errors import APIError
+from space.api.limits import RateLimiter
 from space.db.listen import Listener
 from space.db.sealing import Sealer
-from space.db.store import Row, Store, Tenant
-from space.worker.client import WorkerClient
+from space.db.store import Conflict, Row, Store, Tenant
+from space.gateway.policy import EgressFloor
+from space.identity import WorkerCA
+from space.netpolicy import NetworkPolicy
+from space.networks import SANDBOX_RANGES
+from space.settings import Settings
+from space.worker.api.client import Worker, WorkerClient
 
 RECHECK_S = 2.0  # a waiter looks again this often even without a notification
+WAKE_S = 60.0  # how long a call waits for a sandbox the idle policy paused to run again
 
 
 @dataclass
@@ -26,6 +35,10 @@ class Services:
     listener: Listener
     workers: WorkerClient
     sealer: Sealer
+    settings: Settings
+    metrics_token: str
+    rates: RateLimiter
+    worker_ca: WorkerCA | None = None  # issues workers' certificates under mutual TLS
 
     async def wait_for(self, sandbox_id: str, done: Callable[[Row], bool], timeout: float) -> Row:
         """Until `done(row)`; the last row seen if the timeout passes first."""
@@ -43,14 +56,70 @@ class Services:
         finally:
             self.listener.unsubscribe(ev, sandbox_id)
 
-    async def worker_url(self, row: Row) -> str:
+    def check_egress(self, network: NetworkPolicy) -> None:
+        """422 naming every part of a policy that asks for what no sandbox may reach (the
+        host, cloud metadata, other sandboxes, private networks the operator did not open);
+        the gateway refuses those dials anyway."""
+        floor = EgressFloor(
+            open_networks=list(self.settings.egress_open_networks),
+            closed_networks=[str(SANDBOX_RANGES)],
+        )
+        if refused := floor.refusals(network.gateway()):
+            raise APIError(422, "network policy refused: " + "; ".join(refused))
+
+    async def wait_for_template(
+        self, template_id: str, done: Callable[[Row], bool], timeout: float
+    ) -> Row:
+        """Until `done(template row)` (templates change rarely: looked at every 0.2 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = await self.store.templates(template_id)
+            if not rows:
+                raise APIError(404, f"no template {template_id!r}")
+            if done(rows[0]) or time.monotonic() > deadline:
+                return rows[0]
+            await asyncio.sleep(0.2)
+
+    async def in_use(self, row: Row) -> Row:
+        """The sandbox for a call that uses it: one the idle policy paused is resumed first
+        (paused by its owner, it stays paused and the call is refused)."""
+        if not row["idle_paused"] or row["desired_state"] != "paused":
+            return row
+        if row["state"] == "pausing":
+            row = await self.wait_for(row["id"], lambda r: r["state"] != "pausing", WAKE_S)
+        with contextlib.suppress(Conflict):  # resumed by another call meanwhile
+            await self.store.request(
+                row["tenant_id"], row["id"], "running", ("paused",), "resume",
+                request_id=logs.request_id.get(), reason="used again after an idle pause",
+            )  # fmt: skip
+        return await self.wait_for(
+            row["id"],
+            lambda r: (
+                r["state"] in ("running", "error", "deleted") or r["desired_state"] != "running"
+            ),
+            WAKE_S,
+        )
+
+    async def running_on(self, row: Row) -> Worker:
+        """The worker of a running sandbox, for the data plane."""
         if row["state"] != "running":
             raise APIError(409, f"sandbox {row['id']} is {row['state']}, not running",
                            state=row["state"])  # fmt: skip
+        return await self.worker_of(row)
+
+    async def worker_of(self, row: Row) -> Worker:
         worker = await self.store.worker(row["worker_id"]) if row["worker_id"] else None
         if worker is None:
             raise APIError(503, f"sandbox {row['id']} has no worker")
-        return f"{worker['url']}/vms/{row['id']}"
+        if worker["state"] != "active":
+            raise APIError(503, f"worker {worker['id']} of sandbox {row['id']} is not available",
+                           headers={"Retry-After": "5"})  # fmt: skip
+        logs.bind(worker=worker["id"])
+        return Worker(worker["id"], worker["url"])
+
+
+def _woken(row: Row) -> bool:
+    return row["state"] in ("running", "error", "deleted") or row["desired_state"] != "running"
 
 
 def services(request: Request) -> Services:
@@ -70,7 +139,21 @@ async def authenticate(svc: Services, key: str) -> Tenant:
     tenant = await svc.store.authenticate(key)
     if tenant is None:
         raise APIError(401, "invalid or revoked API key")
+    logs.bind(tenant=tenant.id)
+    if wait := svc.rates.take(tenant.id):
+        raise APIError(
+            429,
+            f"too many requests: at most {svc.rates.rate:g} a second "
+            f"(bursts of {svc.rates.burst}) per tenant",
+            headers={"Retry-After": str(math.ceil(wait))},
+        )
     return tenant
+
+
+def require_admin(caller: Tenant, what: str) -> None:
+    """403 unless the caller's key is an admin key, an operator's (`what` it was denied)."""
+    if not caller.admin:
+        raise APIError(403, f"only an admin key may {what}")
 
 
 async def tenant(request: Request) -> Tenant:

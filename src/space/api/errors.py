@@ -12,16 +12,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from space.db.store import Conflict, NotFound, Refused
 from space.problem import problem
-from space.worker.client import WorkerError
+from space.worker.api.client import WorkerError
 
 log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, detail: str, **extra: Any) -> None:
+    def __init__(
+        self, status: int, detail: str, headers: dict[str, str] | None = None, **extra: Any
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.headers = headers
         self.extra = extra
 
 
@@ -29,13 +32,15 @@ def worker_status(e: WorkerError) -> int:
     """A worker's answer as ours: its 4xx are the client's problem, the rest is a bad gateway."""
     if e.status in (400, 403, 404, 409, 413, 507):
         return e.status
+    if e.status == 503 or (e.status == 0 and e.timed_out):
+        return 503
     return 502
 
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return problem(e.status, e.detail, **e.extra)
+        return problem(e.status, e.detail, headers=e.headers, **e.extra)
 
     @app.exception_handler(NotFound)
     async def not_found(_: Request, e: NotFound) -> JSONResponse:

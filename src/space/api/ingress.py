@@ -1,101 +1,202 @@
 """Ingress: HTTP to a port a sandbox listens on, through the API and nothing else.
 
 Sandboxes accept no inbound connection at all (their namespace drops it); this route is the one
-way in, authenticated like every call. The request travels the data plane the API already has:
-the worker runs a small relay in the guest that connects to 127.0.0.1:PORT, feeds it the request
-and streams the answer back. HTTP/1.0 with the whole body in one piece: for web UIs and APIs an
-agent starts in its sandbox, not for bulk transfers.
+way in, authenticated like every call. The API opens a TCP connection to 127.0.0.1:PORT inside
+the guest through its worker and its agent (`WorkerClient.tcp`), writes the request there and
+streams both ways: the request's body as it arrives (up to the route's cap, `limits`), the
+answer as the service sends it, whatever its size, with backpressure end to end. One request per
+connection (HTTP/1.1 with `Connection: close`); heads are parsed and written by h11, so what
+reaches the service is a request the API checked.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Annotated
 
+import h11
+import httpx
+import wsproto.events as wse
 from fastapi import APIRouter, Path, Request, Response
+from fastapi.responses import StreamingResponse
+from httpx_ws import AsyncWebSocketSession, HTTPXWSException
+from httpx_ws import WebSocketDisconnect as UpstreamDisconnect
 
 from space.api.data import target
 from space.api.deps import Caller, Svc
 from space.api.errors import APIError
+from space.worker.api.models import TCP_EOF, TCP_FRAME
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
 
-MAX_BODY = 16 << 20
-RELAY = """
-import socket, sys, threading
-try:
-    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=30)
-except OSError as e:
-    sys.stderr.write(f"nothing answers on port {sys.argv[1]} in the sandbox: {e.strerror}")
-    sys.exit(7)
-def up():
-    while data := sys.stdin.buffer.read1(65536):
-        s.sendall(data)
-    s.shutdown(socket.SHUT_WR)
-threading.Thread(target=up, daemon=True).start()
-while data := s.recv(65536):
-    sys.stdout.buffer.write(data)
-    sys.stdout.buffer.flush()
-"""
-# Not passed on: hop-by-hop headers, and our own credentials.
+HEAD_TIMEOUT_S = 60.0  # for the service's answer to begin
+# Not passed on: hop-by-hop headers, framing (h11 frames what it sends), our own credentials.
 DROP_IN = {"host", "authorization", "connection", "keep-alive", "transfer-encoding",
-           "content-length", "te", "upgrade", "proxy-authorization"}  # fmt: skip
-DROP_OUT = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+           "content-length", "te", "upgrade", "proxy-authorization", "proxy-connection",
+           "trailer"}  # fmt: skip
+DROP_OUT = {"connection", "keep-alive", "transfer-encoding", "content-length", "trailer",
+            "upgrade", "proxy-connection"}  # fmt: skip
 
 Port = Annotated[int, Path(ge=1, le=65535)]
+
+
+class Closed(Exception):
+    """The connection to the service ended: `status` for the client if no answer had begun."""
+
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status = status
 
 
 async def ingress(
     sandbox_id: str, port: Port, path: str, request: Request, svc: Svc, caller: Caller
 ) -> Response:
-    """Forward the request to 127.0.0.1:PORT inside the sandbox and answer with its response
-    (502 when nothing listens there)."""
-    url = await target(svc, caller.id, sandbox_id)
-    body = await request.body()
-    if len(body) > MAX_BODY:
-        raise APIError(413, f"request bodies over {MAX_BODY >> 20} MiB are not forwarded")
-    wanted = "/" + path + (f"?{request.url.query}" if request.url.query else "")
-    head = [f"{request.method} {wanted} HTTP/1.0", f"Host: localhost:{port}"]
-    head += [f"{k}: {v}" for k, v in request.headers.items() if k.lower() not in DROP_IN]
-    if body:
-        head.append(f"Content-Length: {len(body)}")
-    raw = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
-    exec_body = {"argv": ["python3", "-c", RELAY, str(port)], "timeout": 60,
-                 "stdin": base64.b64encode(raw).decode()}  # fmt: skip
-    out, err, code = bytearray(), bytearray(), None
-    async with svc.workers.stream("POST", f"{url}/exec", json=exec_body) as resp:
-        async for line in resp.aiter_lines():
-            if not line:
-                continue
-            event = json.loads(line)
-            if event["type"] == "stdout":
-                out += base64.b64decode(event["data"])
-            elif event["type"] == "stderr":
-                err += base64.b64decode(event["data"])
-            elif event["type"] == "exit":
-                code = event["exit_code"]
-            elif event["type"] == "error":
-                raise APIError(502, f"the relay in the sandbox failed: {event['message']}")
-    if code == 7 or not out:
-        detail = err.decode(errors="replace").strip() or f"no answer from port {port}"
-        raise APIError(502, detail)
-    return _response(bytes(out), request.method == "HEAD")
+    """Forward the request to 127.0.0.1:PORT inside the sandbox and stream its answer back
+    (502 when nothing listens there, 504 when nothing answers in time)."""
+    worker = await target(svc, caller.id, sandbox_id)
+    head: asyncio.Future[h11.Response] = asyncio.get_running_loop().create_future()
+    # A few chunks in flight: a slow client slows the service down (the agent's windows do
+    # the rest), nothing piles up here.
+    chunks: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
+    # One task owns the connection from start to end (its WebSocket cannot change tasks).
+    relay = asyncio.ensure_future(
+        _relay(svc.workers.tcp(worker, sandbox_id, port), request, port, path, head, chunks)
+    )
+    try:
+        answer = await asyncio.wait_for(asyncio.shield(head), HEAD_TIMEOUT_S)
+    except TimeoutError:
+        await _stop(relay)
+        why = f"port {port} in the sandbox did not answer in {HEAD_TIMEOUT_S:.0f} s"
+        raise APIError(504, why) from None
+    except BaseException:
+        await _stop(relay)
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            while (chunk := await chunks.get()) is not None:
+                yield chunk
+        finally:
+            await _stop(relay)
+
+    response = StreamingResponse(body(), status_code=answer.status_code)
+    response.raw_headers = [(k.lower(), v) for k, v in answer.headers
+                            if k.decode("latin-1").lower() not in DROP_OUT]  # fmt: skip
+    return response
 
 
-def _response(raw: bytes, head_only: bool) -> Response:
-    head, sep, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ", 2)
-    if not sep or len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
-        raise APIError(502, "the service in the sandbox did not answer with HTTP")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name and name.strip().lower() not in DROP_OUT:
-            headers[name.strip()] = value.strip()
-    return Response(content=b"" if head_only else body, status_code=int(parts[1]),
-                    headers=headers)  # fmt: skip
+async def _relay(
+    connect: AbstractAsyncContextManager[AsyncWebSocketSession],
+    request: Request,
+    port: int,
+    path: str,
+    head: asyncio.Future[h11.Response],
+    chunks: asyncio.Queue[bytes | None],
+) -> None:
+    """The request out and the answer back: its head to `head` (or the APIError that there is
+    none), then its body into `chunks`, None at its end (also where it broke off)."""
+    try:
+        async with connect as ws:
+            conn = h11.Connection(h11.CLIENT)
+            await _send(ws, conn, _request(request, port, path))
+            sending = asyncio.ensure_future(_send_body(ws, conn, request))
+            try:
+                async for event in _events(ws, conn):
+                    if isinstance(event, h11.Response):
+                        head.set_result(event)
+                    elif isinstance(event, h11.Data):
+                        await chunks.put(bytes(event.data))
+            finally:
+                await _stop(sending)
+            if not head.done():
+                raise Closed(502, "the connection ended before an answer")
+    except Closed as e:
+        _fail(head, APIError(e.status, f"port {port} in the sandbox: {e}"))
+    except (UpstreamDisconnect, HTTPXWSException) as e:
+        _fail(head, APIError(502, f"port {port} in the sandbox: {_why(e)}"))
+    except (OSError, httpx.HTTPError) as e:  # the worker itself out of reach
+        _fail(head, APIError(503, f"the sandbox's worker did not answer: {e}"))
+    finally:
+        if head.done():
+            await chunks.put(None)
+
+
+def _fail(head: asyncio.Future[h11.Response], error: APIError) -> None:
+    if not head.done():
+        head.set_exception(error)
+
+
+def _request(request: Request, port: int, path: str) -> h11.Request:
+    target_ = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+    headers = [("Host", f"localhost:{port}"), ("Connection", "close")]
+    headers += [(k, v) for k, v in request.headers.items() if k.lower() not in DROP_IN]
+    length = request.headers.get("content-length")
+    if length is not None:
+        headers.append(("Content-Length", length))
+    elif "transfer-encoding" in request.headers:
+        headers.append(("Transfer-Encoding", "chunked"))
+    return h11.Request(method=request.method, target=target_, headers=headers)
+
+
+async def _send(ws: AsyncWebSocketSession, conn: h11.Connection, event: h11.Event) -> None:
+    data = conn.send(event) or b""
+    for i in range(0, len(data), TCP_FRAME):
+        await ws.send_bytes(data[i : i + TCP_FRAME])
+
+
+async def _send_body(ws: AsyncWebSocketSession, conn: h11.Connection, request: Request) -> None:
+    """The client's body, as it arrives, then our end of the connection."""
+    async for chunk in request.stream():
+        if chunk:
+            await _send(ws, conn, h11.Data(data=chunk))
+    await _send(ws, conn, h11.EndOfMessage())
+    await ws.send_text(TCP_EOF)
+
+
+async def _events(
+    ws: AsyncWebSocketSession, conn: h11.Connection
+) -> AsyncGenerator[h11.Event, None]:
+    """The service's answer: its h11.Response first, then h11.Data until it ends."""
+    while True:
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError as e:
+            raise Closed(502, f"the service in the sandbox did not answer with HTTP: {e}") from None
+        if event is h11.NEED_DATA:
+            conn.receive_data(await _receive(ws))
+            continue
+        if isinstance(event, (h11.Response, h11.Data)):
+            yield event
+        elif not isinstance(event, h11.InformationalResponse):
+            return  # EndOfMessage, or the connection's end
+
+
+async def _receive(ws: AsyncWebSocketSession) -> bytes:
+    """The next bytes from the service; b"" once it closed its side."""
+    while True:
+        message = await ws.receive()
+        if isinstance(message, wse.BytesMessage):
+            return bytes(message.data)
+        if isinstance(message, wse.CloseConnection):
+            if message.code >= 4000:
+                raise Closed(message.code - 4000 if message.code < 4600 else 502,
+                             message.reason or "the connection failed")  # fmt: skip
+            return b""
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, UpstreamDisconnect):
+        return e.reason or f"closed ({e.code})"
+    return str(e) or type(e).__name__
+
+
+async def _stop(task: asyncio.Future[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, UpstreamDisconnect, HTTPXWSException):
+        await task
 
 
 for _method in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"):

@@ -1,14 +1,14 @@
 """Prometheus metrics of the API process at `/metrics`: creates by path, warm-pool hits and
 misses, and each pool's state read from the database at scrape time.
 
-Open to anyone who can reach the API unless SPACE_METRICS_TOKEN is set; then a scrape must
-send it as a bearer token. The figures name templates, never tenants or sandboxes.
+A scrape must send the deployment's metrics token as a bearer token (SPACE_METRICS_TOKEN, or
+one made once in the state directory, which `space up` prints). The figures name templates,
+never tenants or sandboxes.
 """
 
 from __future__ import annotations
 
 import hmac
-import os
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
@@ -36,11 +36,10 @@ SIZE = Gauge("space_pool_size", "Members each pool is asked to keep", ["template
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request, svc: Svc) -> Response:
-    token = os.environ.get("SPACE_METRICS_TOKEN", "")
-    if token:
-        sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(sent.encode(), token.encode()):
-            raise APIError(401, "metrics need 'Authorization: Bearer <SPACE_METRICS_TOKEN>'")
+    sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(sent.encode(), svc.metrics_token.encode()):
+        raise APIError(401, "metrics need 'Authorization: Bearer <metrics token>' (space up "
+                       "prints it; SPACE_METRICS_TOKEN sets it)")  # fmt: skip
     for row in await svc.store.templates():
         READY.labels(row["id"]).set(row["pool_ready"])
         STARTING.labels(row["id"]).set(row["pool_starting"])

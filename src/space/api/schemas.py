@@ -53,6 +53,16 @@ class VolumeAttach(Strict):
         return clean
 
 
+ChosenId = Annotated[
+    str,
+    Field(
+        pattern=ID_PATTERN,
+        description="your name for it; the sandbox's id is this and a tag of your tenant "
+        "(the same every time), so a repeat finds the same sandbox",
+    ),
+]
+
+
 class SandboxCreate(Strict):
     template: str = Field("base", min_length=1, max_length=64)
     vcpus: int = Field(1, ge=1, le=16)
@@ -60,11 +70,17 @@ class SandboxCreate(Strict):
     disk_mib: int = Field(1024, ge=256, le=262144)
     timeout_s: int = Field(300, ge=1, le=7 * 24 * 3600)
     timeout_action: TimeoutAction = "pause"
+    idle_timeout_s: int | None = Field(
+        None, ge=0, le=7 * 24 * 3600,
+        description="pause it after this many seconds with no exec, file call or ingress (an "
+        "open stream counts as use); its next such call resumes it. 0: never; null: the "
+        "deployment's default",
+    )  # fmt: skip
     env: dict[str, str] = Field(default_factory=dict)
     metadata: dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=512)]] = (
         Field(default_factory=dict)
     )
-    id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
+    id: ChosenId | None = None
     volumes: list[VolumeAttach] = Field(
         default_factory=list, max_length=2, description="volumes to mount (at most 2)"
     )
@@ -120,6 +136,7 @@ class Sandbox(BaseModel):
     timeout_s: int
     timeout_action: str
     expires_at: datetime | None
+    idle_timeout_s: int | None = Field(description="paused after this long unused; null: never")
     env: dict[str, str]
     metadata: dict[str, str]
     worker_id: str | None
@@ -130,9 +147,9 @@ class Sandbox(BaseModel):
     secrets: list[SecretBinding] = Field(
         description="bound secrets, each with the placeholder its guest sees (never the value)"
     )
-    boot: Literal["pool", "restore", "cold"] | None = Field(
+    boot: Literal["pool", "restore", "cold", "fork"] | None = Field(
         description="how it first came to run: claimed from the warm pool, restored from the "
-        "template's base snapshot, or booted; null until it runs"
+        "template's base snapshot, booted, or forked from another sandbox; null until it runs"
     )
 
     @classmethod
@@ -172,27 +189,35 @@ class Built(BaseModel):
 
 class Template(BaseModel):
     id: str
-    state: Literal["building", "ready", "failed", "deleting"] = Field(
-        description="of the last build; a failed or running rebuild leaves the last good "
-        "build in use"
+    state: Literal["queued", "building", "ready", "failed", "deleting"] = Field(
+        description="of the last build (queued: waiting for a worker to start it); a failed "
+        "or running rebuild leaves the last good build in use"
     )
     error: str | None = Field(description="why the last build failed")
     build_id: str | None
     worker_id: str | None = Field(description="where it was built; null: on every worker")
-    built: Built | None
+    built: Built | None = Field(
+        description="what the last good build made; how it was made (environment, steps, "
+        "commands) only for admin keys"
+    )
     created_at: datetime
     updated_at: datetime
     pool: Pool = Field(description="creates of exactly this shape are served from the pool")
 
     @classmethod
-    def from_row(cls, row: Any) -> Template:
+    def from_row(cls, row: Any, admin: bool = False) -> Template:
         pool = Pool(
             size=row["pool_size"], vcpus=row["pool_vcpus"], memory_mib=row["pool_memory_mib"],
             disk_mib=row["pool_disk_mib"], ready=row["pool_ready"],
             starting=row["pool_starting"],
         )  # fmt: skip
         record = row["record"]
-        built = Built.model_validate({k: record[k] for k in Built.model_fields}) if record else None
+        built = None
+        if record:
+            shown = {k: record[k] for k in Built.model_fields}
+            if not admin:
+                shown.update(BUILT_HIDDEN)
+            built = Built.model_validate(shown)
         return cls(
             id=row["id"], state=row["state"], error=row["error"], build_id=row["build_id"],
             worker_id=row["worker_id"], built=built, created_at=row["created_at"],
@@ -201,6 +226,9 @@ class Template(BaseModel):
 
 
 TEMPLATE_ID = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+# How a template was made is the admins' business (its env may hold build-time values).
+BUILT_HIDDEN: dict[str, Any] = {"source": "", "env": {}, "entrypoint": [], "cmd": [],
+                                "start": None, "ready": None, "steps": []}  # fmt: skip
 
 
 class BuildRequest(Strict):

@@ -7,27 +7,27 @@ placed on that worker.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import re
+import secrets
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from space.api.data import relay
-from space.api.deps import Caller, Services, Svc
+from space.api.deps import Caller, Services, Svc, require_admin
 from space.api.errors import APIError
 from space.api.schemas import TEMPLATE_ID, BuildRequest, PoolSettings, Template, TemplateList
-from space.controller.placement import pick_worker
-from space.db.store import NotFound, Row, Tenant
+from space.db.store import NotFound, Row
+from space.db.store.templates import build_context
+from space.worker.api.client import Worker
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"])
 
-BUILD_VCPUS, BUILD_MEMORY_MIB = 1, 512  # what a build VM holds on its worker
+START_WAIT_S = 30.0  # a queued build is answered once a worker started it, or after this
 TEMPLATE_ID_RE = re.compile(TEMPLATE_ID)
-
-
-def _admin(caller: Tenant, what: str) -> None:
-    if not caller.admin:
-        raise APIError(403, f"only an admin key may {what}")
 
 
 async def _template(svc: Services, template_id: str) -> Row:
@@ -39,74 +39,72 @@ async def _template(svc: Services, template_id: str) -> Row:
 
 @router.get("", response_model=TemplateList)
 async def list_templates(svc: Svc, caller: Caller) -> TemplateList:
-    return TemplateList(items=[Template.from_row(r) for r in await svc.store.templates()])
+    """Every template; how each was built (its environment, steps, commands) only for admins."""
+    rows = await svc.store.templates()
+    return TemplateList(items=[Template.from_row(r, admin=caller.admin) for r in rows])
 
 
 @router.get("/{template_id}", response_model=Template)
 async def get_template(template_id: str, svc: Svc, caller: Caller) -> Template:
-    return Template.from_row(await _template(svc, template_id))
+    return Template.from_row(await _template(svc, template_id), admin=caller.admin)
 
 
 @router.post("/{template_id}/builds", status_code=202, response_model=Template)
 async def build(template_id: str, body: BuildRequest, svc: Svc, caller: Caller) -> Template:
     """Build (or rebuild) a template from a space.toml; follow it at .../build/log. Steps
-    whose inputs did not change since an earlier build on that worker come from its cache."""
-    _admin(caller, "build templates")
+    whose inputs did not change since an earlier build on that worker come from its cache.
+    The build is queued; the controller starts it on a worker with room (the template's own
+    worker for a rebuild)."""
+    require_admin(caller, "build templates")
     if not TEMPLATE_ID_RE.match(template_id):
         raise APIError(400, f"template id {template_id!r} must match {TEMPLATE_ID}")
     if template_id == "base":
         raise APIError(409, "base is the platform's own template (space image base)")
-    existing = await svc.store.templates(template_id)
-    if existing and existing[0]["state"] in ("building", "deleting"):
-        raise APIError(409, f"template {template_id} is {existing[0]['state']}",
-                       state=existing[0]["state"])  # fmt: skip
-    workers = [w for w in await svc.store.workers() if w["state"] == "active"]
-    home = existing[0]["worker_id"] if existing else None
-    if home is not None:
-        # Its sandboxes and its build cache are there: a rebuild stays on that worker.
-        workers = [w for w in workers if w["id"] == home]
-    worker_id = pick_worker(workers, await svc.store.worker_load(), BUILD_VCPUS, BUILD_MEMORY_MIB)
-    if worker_id is None:
-        why = f"worker {home}, which holds the template, is not available" if home else ""
-        raise APIError(503, why or "no worker has room for a build now")
-    url = next(w["url"] for w in workers if w["id"] == worker_id)
-    started = await svc.workers.call(
-        "POST", f"{url}/templates/{template_id}/builds", json=body.model_dump()
-    )
-    await svc.store.begin_build(template_id, worker_id, started["id"])
-    return Template.from_row(await _template(svc, template_id))
+    try:
+        context = base64.b64decode(body.context, validate=True)
+    except binascii.Error:
+        raise APIError(400, "context must be base64 (of a tar archive)") from None
+    sealed = None
+    if body.environ:
+        sealed = svc.sealer.seal(json.dumps(body.environ).encode(), build_context(template_id))
+    await svc.store.request_build(template_id, secrets.token_hex(8), body.spec, context, sealed)
+    row = await svc.wait_for_template(template_id, lambda r: r["state"] != "queued", START_WAIT_S)
+    if row["state"] in ("ready", "failed") and row["error"]:
+        # Its worker refused to start it (a bad spec or context): nothing was built.
+        raise APIError(400, row["error"])
+    return Template.from_row(row, admin=True)
 
 
 @router.get("/{template_id}/build/log", response_class=StreamingResponse)
 async def build_log(template_id: str, svc: Svc, caller: Caller) -> StreamingResponse:
     """The last build's log as plain text, streamed until the build ends."""
-    _admin(caller, "read build logs")
+    require_admin(caller, "read build logs")
     row = await _template(svc, template_id)
     worker = await svc.store.worker(row["worker_id"]) if row["worker_id"] else None
     if row["build_id"] is None or worker is None:
         raise APIError(404, f"template {template_id} has no build log")
     if worker["state"] != "active":
         raise APIError(503, f"worker {worker['id']}, which ran the build, is not available")
-    return await relay(svc, "GET", f"{worker['url']}/builds/{row['build_id']}/log",
-                       "text/plain; charset=utf-8")  # fmt: skip
+    log = svc.workers.build_log(Worker(worker["id"], worker["url"]), row["build_id"])
+    return await relay(log, "text/plain; charset=utf-8")
 
 
 @router.delete("/{template_id}", response_model=Template)
 async def delete_template(template_id: str, svc: Svc, caller: Caller) -> Template:
     """Refused while a sandbox (not deleted) uses it; its warm pool is let go."""
-    _admin(caller, "delete templates")
+    require_admin(caller, "delete templates")
     await svc.store.delete_template(template_id)
-    return Template.from_row(await _template(svc, template_id))
+    return Template.from_row(await _template(svc, template_id), admin=True)
 
 
 @router.put("/{template_id}/pool", response_model=Template)
 async def set_pool(template_id: str, body: PoolSettings, svc: Svc, caller: Caller) -> Template:
     """Size and shape of the template's warm pool (admin keys only). The controller fills or
     shrinks it in the background; members of another shape are let go."""
-    _admin(caller, "change a warm pool")
+    require_admin(caller, "change a warm pool")
     try:
         await svc.store.set_pool(template_id, body.size, body.vcpus, body.memory_mib,
                                  body.disk_mib)  # fmt: skip
     except NotFound:
         raise APIError(404, f"no template {template_id!r}") from None
-    return Template.from_row(await _template(svc, template_id))
+    return Template.from_row(await _template(svc, template_id), admin=True)

@@ -13,7 +13,8 @@ router = APIRouter(prefix="/v1/volumes", tags=["volumes"])
 @router.post("", status_code=201, response_model=Volume)
 async def create_volume(body: VolumeCreate, svc: Svc, caller: Caller) -> Volume:
     """An empty ext4 volume; its image is made on the worker of the first sandbox using it."""
-    return Volume.from_row(await svc.store.create_volume(caller.id, body.name, body.size_mib))
+    row = await svc.store.create_volume(caller.id, body.name, body.size_mib, svc.settings.quotas)
+    return Volume.from_row(row)
 
 
 @router.get("", response_model=VolumeList)

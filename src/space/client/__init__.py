@@ -1,28 +1,46 @@
 """The SPACE Python SDK: sandboxes over the HTTP API, synchronous (`Space`, `Sandbox`) and
-asynchronous (`AsyncSpace`, `AsyncSandbox`). Users import these from `space`."""
+asynchronous (`AsyncSpace`, `AsyncSandbox`). Users import these from `space`.
 
-from space.client._async import AsyncExecStream, AsyncFiles, AsyncSandbox, AsyncSpace
-from space.client._calls import CreateOptions, ExecOptions, ListFilters
-from space.client._errors import (
-    APIError,
-    AuthenticationError,
-    ConflictError,
-    ConnectionError,
-    ExecError,
-    NotFoundError,
-    SpaceError,
-    ValidationError,
-)
-from space.client._models import (
-    Event,
-    ExecResult,
-    FileEntry,
-    PoolInfo,
-    SandboxInfo,
-    TemplateInfo,
-    VolumeInfo,
-)
-from space.client._sync import ExecStream, Files, Sandbox, Space
+Each name is loaded from its module on first use, so importing one part (the CLI's reading of
+the credentials file, say) does not import the HTTP stack.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
+
+# httpx imports its own command-line client (rich, pygments, click: ~40 ms) whenever those are
+# installed; nothing here runs it. A None entry makes that one import fail, and httpx then
+# defines a stand-in for its `main`; everything else in httpx is untouched.
+if "httpx" not in sys.modules:
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+
+if TYPE_CHECKING:
+    from space.client._async import AsyncExecStream, AsyncFiles, AsyncSandbox, AsyncSpace
+    from space.client._calls import CreateOptions, ExecOptions, ListFilters
+    from space.client._errors import (
+        APIError,
+        AuthenticationError,
+        ConflictError,
+        ConnectionError,
+        ExecError,
+        NotFoundError,
+        SpaceError,
+        ValidationError,
+    )
+    from space.client._models import (
+        CheckpointInfo,
+        Event,
+        ExecResult,
+        FileEntry,
+        PoolInfo,
+        SandboxInfo,
+        TemplateInfo,
+        VolumeInfo,
+    )
+    from space.client._sync import ExecStream, Files, Sandbox, Space
 
 __all__ = [
     "APIError",
@@ -31,6 +49,7 @@ __all__ = [
     "AsyncSandbox",
     "AsyncSpace",
     "AuthenticationError",
+    "CheckpointInfo",
     "ConflictError",
     "ConnectionError",
     "CreateOptions",
@@ -52,3 +71,17 @@ __all__ = [
     "ValidationError",
     "VolumeInfo",
 ]
+
+# Searched in this order, lightest first: errors and models need no HTTP stack.
+_MODULES = ("_errors", "_models", "_calls", "_sync", "_async")
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        for module in _MODULES:
+            home = importlib.import_module(f"space.client.{module}")
+            if name in vars(home):
+                value = vars(home)[name]
+                globals()[name] = value  # later lookups skip this function
+                return value
+    raise AttributeError(f"module 'space.client' has no attribute {name!r}")

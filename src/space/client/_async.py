@@ -28,10 +28,12 @@ from space.client._calls import (
     ListFilters,
     SandboxBase,
     Upload,
+    checkpoint_id_of,
 )
 from space.client._errors import NotFoundError, error_from_response, transport_errors
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
 from space.client._models import (
+    CheckpointInfo,
     Event,
     ExecResult,
     FileEntry,
@@ -299,6 +301,34 @@ class AsyncSandbox(SandboxBase[AsyncSpace]):
 
     async def events(self) -> builtins.list[Event]:
         return await self._client._call(calls.events(self.id))
+
+    async def checkpoint(self, name: str = "") -> CheckpointInfo:
+        """Memory and disk as they are now (volumes left out), taken while it runs on."""
+        return await self._client._call(calls.checkpoint(self.id, name))
+
+    async def checkpoints(self) -> builtins.list[CheckpointInfo]:
+        return await self._client._call(calls.checkpoints(self.id))
+
+    async def delete_checkpoint(self, checkpoint: str | CheckpointInfo) -> None:
+        await self._client._call(calls.delete_checkpoint(self.id, checkpoint_id_of(checkpoint)))
+
+    async def rollback(self, checkpoint: str | CheckpointInfo) -> SandboxInfo:
+        """Back to a checkpoint in place: its processes and files as they were then."""
+        return await self._update(calls.rollback(self.id, checkpoint_id_of(checkpoint)))
+
+    async def fork(
+        self,
+        count: int = 1,
+        *,
+        checkpoint: str | CheckpointInfo | None = None,
+        env: Mapping[str, str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> builtins.list[AsyncSandbox]:
+        """`count` running children of its state now (or of `checkpoint`), each a sandbox of its
+        own; `env` goes over the parent's. This sandbox runs on."""
+        ck = checkpoint_id_of(checkpoint) if checkpoint is not None else None
+        infos = await self._client._call(calls.fork(self.id, count, ck, env, metadata))
+        return [AsyncSandbox(self._client, info) for info in infos]
 
     def exec_stream(
         self, command: str | Sequence[str], **options: Unpack[ExecOptions]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import ssl
 import tarfile
 from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,14 @@ import httpx
 from space import __version__
 from space.client._config import resolve_credentials
 from space.client._errors import SpaceError
-from space.client._models import Event, FileEntry, SandboxInfo, TemplateInfo, VolumeInfo
+from space.client._models import (
+    CheckpointInfo,
+    Event,
+    FileEntry,
+    SandboxInfo,
+    TemplateInfo,
+    VolumeInfo,
+)
 
 T = TypeVar("T")
 HTTPClient = TypeVar("HTTPClient", httpx.Client, httpx.AsyncClient)
@@ -45,6 +53,7 @@ class CreateOptions(TypedDict, total=False):
     disk_mib: int | None
     timeout_s: int | None
     timeout_action: Literal["pause", "suspend", "delete"] | None
+    idle_timeout_s: int | None  # paused after this long unused, resumed by its next use; 0: never
     env: Mapping[str, str] | None
     metadata: Mapping[str, str] | None
     id: str | None  # a client-chosen id: creating it again answers the same sandbox
@@ -56,6 +65,7 @@ class CreateOptions(TypedDict, total=False):
     secrets: Sequence[Mapping[str, Any]] | None
     idempotency_key: str | None
     wait: bool | None  # False: answer at once, before the sandbox is running
+    room_wait_s: float | None  # no worker has room: wait this long for some before the 503
 
 
 class ListFilters(TypedDict, total=False):
@@ -98,6 +108,7 @@ def http_client(
     credentials = resolve_credentials(base_url, api_key)
     return kind(
         base_url=credentials.api_url,
+        verify=_tls_context(credentials.api_url),
         headers={
             "Authorization": f"Bearer {credentials.api_key}",
             "User-Agent": f"space-python/{__version__}",
@@ -105,6 +116,16 @@ def http_client(
         timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
         event_hooks={"response": [raise_for_error]},
     )
+
+
+def _tls_context(api_url: str) -> ssl.SSLContext | bool:
+    """httpx's default verification for an https:// API. An http:// one is never spoken to over
+    TLS (every request goes to the base URL and redirects are not followed), so it gets a
+    context without CAs: loading them costs ~45 ms per client, and should TLS ever happen on
+    it, verification fails instead of passing."""
+    if api_url.lower().startswith("https:"):
+        return True
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 
 class SandboxBase(Generic[Client]):
@@ -193,6 +214,9 @@ def create(options: CreateOptions) -> Call[SandboxInfo]:
     key = given.pop("idempotency_key", None)
     headers = {"Idempotency-Key": str(key)} if key else {}
     wait = bool(given.pop("wait", True))
+    params = [("wait", _flag(wait))]
+    if (room_wait := given.pop("room_wait_s", None)) is not None:
+        params.append(("room_wait_s", str(room_wait)))
     for listed in ("volumes", "secrets"):
         given.pop(listed, None)
     body = {k: dict(v) if isinstance(v, Mapping) else v for k, v in given.items()}
@@ -204,7 +228,7 @@ def create(options: CreateOptions) -> Call[SandboxInfo]:
         "POST",
         SANDBOXES,
         _json(SandboxInfo.from_json),
-        params=[("wait", _flag(wait))],
+        params=params,
         body=body,
         headers=headers,
     )
@@ -243,6 +267,61 @@ def events(sandbox_id: str) -> Call[list[Event]]:
         "GET",
         _sandbox(sandbox_id, "/events"),
         _json(lambda data: [Event.from_json(item) for item in data["items"]]),
+    )
+
+
+# Checkpoints and forks
+
+
+def checkpoint(sandbox_id: str, name: str) -> Call[CheckpointInfo]:
+    return Call(
+        "POST", _sandbox(sandbox_id, "/checkpoints"), _json(CheckpointInfo.from_json),
+        body={"name": name},
+    )  # fmt: skip
+
+
+def checkpoints(sandbox_id: str) -> Call[list[CheckpointInfo]]:
+    return Call(
+        "GET",
+        _sandbox(sandbox_id, "/checkpoints"),
+        _json(lambda data: [CheckpointInfo.from_json(item) for item in data["items"]]),
+    )
+
+
+def checkpoint_id_of(checkpoint: str | CheckpointInfo) -> str:
+    return checkpoint.id if isinstance(checkpoint, CheckpointInfo) else checkpoint
+
+
+def _checkpoint(sandbox_id: str, checkpoint_id: str, tail: str = "") -> str:
+    return _sandbox(sandbox_id, f"/checkpoints/{quote(checkpoint_id, safe='')}{tail}")
+
+
+def delete_checkpoint(sandbox_id: str, checkpoint_id: str) -> Call[None]:
+    return Call("DELETE", _checkpoint(sandbox_id, checkpoint_id), _nothing)
+
+
+def rollback(sandbox_id: str, checkpoint_id: str) -> Call[SandboxInfo]:
+    return Call(
+        "POST", _checkpoint(sandbox_id, checkpoint_id, "/rollback"), _json(SandboxInfo.from_json)
+    )
+
+
+def fork(
+    sandbox_id: str,
+    count: int,
+    checkpoint_id: str | None,
+    env: Mapping[str, str] | None,
+    metadata: Mapping[str, str] | None,
+) -> Call[list[SandboxInfo]]:
+    body: dict[str, Any] = {"count": count, "env": dict(env or {}),
+                            "metadata": dict(metadata or {})}  # fmt: skip
+    if checkpoint_id is not None:
+        body["checkpoint"] = checkpoint_id
+    return Call(
+        "POST",
+        _sandbox(sandbox_id, "/fork"),
+        _json(lambda data: [SandboxInfo.from_json(item) for item in data["items"]]),
+        body=body,
     )
 
 

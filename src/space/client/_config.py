@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +63,8 @@ def resolve_credentials(api_url: str | None = None, api_key: str | None = None) 
 
 def save_credentials(credentials: Credentials) -> Path:
     """Writes the credentials file (readable by its owner only) in one step; returns its path."""
+    import tempfile  # only here: every CLI command reads this module, few of them write
+
     path = credentials_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".credentials.")

@@ -12,9 +12,10 @@ import contextlib
 import json
 from collections.abc import Iterator, Mapping
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:
+    import httpx  # only for annotations: the CLI's own errors and its --help need no HTTP stack
 
 
 class SpaceError(Exception):
@@ -134,6 +135,8 @@ def error_from_problem(status: int, body: Mapping[str, Any]) -> APIError:
 @contextlib.contextmanager
 def transport_errors(base_url: httpx.URL | str) -> Iterator[None]:
     """Turns httpx's transport exceptions raised inside the block into our ConnectionError."""
+    import httpx
+
     try:
         yield
     except httpx.TimeoutException as e:

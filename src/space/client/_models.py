@@ -40,6 +40,7 @@ class SandboxInfo:
     created_at: datetime
     updated_at: datetime
     boot: str | None = None  # how it first came to run: "pool", "restore" or "cold"
+    idle_timeout_s: int | None = None  # paused after this long unused; None: never
     volumes: tuple[dict[str, Any], ...] = ()  # {"volume", "path", "read_only"} each
 
     @classmethod
@@ -62,6 +63,7 @@ class SandboxInfo:
             created_at=_time(data["created_at"]),
             updated_at=_time(data["updated_at"]),
             boot=data.get("boot"),
+            idle_timeout_s=data.get("idle_timeout_s"),
             volumes=tuple(dict(v) for v in data.get("volumes") or ()),
         )
 
@@ -111,6 +113,27 @@ class VolumeInfo:
     def from_json(cls, data: Mapping[str, Any]) -> VolumeInfo:
         return cls(id=data["id"], name=data["name"], size_mib=int(data["size_mib"]),
                    state=data["state"], created_at=_time(data["created_at"]))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """Memory and disk of a sandbox at one moment (its volumes left out), kept on its worker."""
+
+    id: str
+    sandbox_id: str
+    name: str
+    state: str  # creating, ready or deleting
+    size_bytes: int
+    paused_ms: float | None  # how long the sandbox was paused to take it
+    created_at: datetime
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CheckpointInfo:
+        paused = data.get("paused_ms")
+        return cls(id=data["id"], sandbox_id=data["sandbox_id"], name=data["name"],
+                   state=data["state"], size_bytes=int(data["size_bytes"]),
+                   paused_ms=float(paused) if paused is not None else None,
+                   created_at=_time(data["created_at"]))  # fmt: skip
 
 
 @dataclass(frozen=True)

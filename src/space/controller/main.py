@@ -1,94 +1,96 @@
-"""The controller process (`space controller`): wait for leadership, then run every loop."""
+"""The controller process (`space controller`): wait for leadership, then run every loop until
+it is lost, then stand by again."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from functools import partial
 
-from prometheus_client import start_http_server
-
-from space.config import sealing_keys
+from space import crashpoints
 from space.controller import upkeep
-from space.controller.leader import Leadership
+from space.controller.health import WorkerHealth
+from space.controller.leader import Leadership, LostLeadership
 from space.controller.pools import Pools
 from space.controller.reconciler import Reconciler
 from space.db import migrate
 from space.db.listen import Listener
 from space.db.sealing import Sealer
 from space.db.store import Store, connect
-from space.worker.client import WorkerClient
+from space.identity import WorkerCA
+from space.metrics_server import serve_metrics
+from space.settings import Settings
+from space.worker.api.client import WorkerClient
 
 log = logging.getLogger(__name__)
 
 
-def dead_after_s() -> float:
-    return float(os.environ.get("SPACE_WORKER_DEAD_AFTER", "5"))
-
-
-def serve_metrics() -> None:
-    """Prometheus metrics at SPACE_CONTROLLER_METRICS (host:port), if it is set.
-
-    A standby controller that finds the port taken runs on without them (the leader's are the
-    ones that move)."""
-    address = os.environ.get("SPACE_CONTROLLER_METRICS", "")
-    if not address:
-        return
-    host, _, port = address.rpartition(":")
-    try:
-        start_http_server(int(port), host or "127.0.0.1")
-    except (OSError, ValueError) as e:
-        log.warning("no metrics at %s: %s", address, e)
-
-
-async def run(database_url: str, worker_secret: str) -> None:
-    serve_metrics()
+async def run(settings: Settings, database_url: str) -> None:
+    crashpoints.arm(settings.crash_at)
+    cs = settings.controller
+    serve_metrics(cs.metrics_address, settings.load_metrics_token())
     store = Store(connect(database_url))
-    sealer = Sealer(sealing_keys(), reload=sealing_keys)
+    sealer = Sealer(settings.load_sealing_keys(), reload=settings.load_sealing_keys)
     await migrate.upgrade(store.engine)
-    workers = WorkerClient(worker_secret)
-    leadership = Leadership(database_url)
+    leadership = Leadership(store, cs.lease_ttl_s)
+    tls = WorkerCA(settings.worker_ca_dir).client_context() if settings.worker_ca_dir else None
+    workers = WorkerClient(settings.load_worker_secret(), epoch=lambda: leadership.epoch, tls=tls)
     try:
         while True:
             await leadership.acquire()
-            listener = Listener(database_url)
-            await listener.start()
-
-            def health() -> Awaitable[None]:
-                return upkeep.worker_health(store, workers, sealer, dead_after_s())
-
-            pools = Pools(store)
-            loops = [
-                asyncio.ensure_future(Reconciler(store, workers, listener, pools, sealer).run()),
-                asyncio.ensure_future(pools.run(listener)),
-                asyncio.ensure_future(
-                    upkeep.every(1.0, "timeouts", partial(upkeep.timeouts, store))
-                ),
-                asyncio.ensure_future(upkeep.every(1.0, "worker health", health)),
-                asyncio.ensure_future(
-                    upkeep.every(15.0, "gc", partial(upkeep.collect_garbage, store, workers))
-                ),
-                asyncio.ensure_future(
-                    upkeep.every(1.0, "volumes", partial(upkeep.delete_volumes, store, workers))
-                ),
-                asyncio.ensure_future(
-                    upkeep.every(0.5, "templates", partial(upkeep.template_builds, store, workers))
-                ),
-            ]
-            lost = asyncio.ensure_future(leadership.lost())
-            await asyncio.wait([lost, *loops], return_when=asyncio.FIRST_COMPLETED)
-            log.warning("leadership lost; stopping every loop before trying again")
-            for task in [lost, *loops]:
-                task.cancel()
-            for task in [lost, *loops]:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            await listener.close()
+            try:
+                await _lead(settings, database_url, store, workers, sealer, leadership)
+            except LostLeadership as e:
+                log.warning("leadership lost: %s", e)
+            except Exception:
+                # Nothing a loop meets (the database away at the wrong moment) may end the
+                # process: it stops leading, and competes for the lease again.
+                log.exception("a controller loop failed")
+                await asyncio.sleep(1)
+            log.warning("stopped every loop; standing by")
             await leadership.release()
     finally:
         await leadership.release()
         await workers.close()
         await store.close()
+
+
+async def _lead(
+    settings: Settings,
+    database_url: str,
+    store: Store,
+    workers: WorkerClient,
+    sealer: Sealer,
+    leadership: Leadership,
+) -> None:
+    cs = settings.controller
+    listener = Listener(database_url)
+    await listener.start()
+    health = WorkerHealth(store, workers, sealer, cs.worker_lost_after_s, leadership.check)
+    pools = Pools(store, settings.pools)
+    builds = upkeep.TemplateBuilds(store, workers, sealer, leadership)
+    loops: list[Callable[[], Awaitable[None]]] = [
+        Reconciler(store, workers, listener, pools, sealer, leadership, cs).run,
+        partial(pools.run, listener),
+        partial(upkeep.every, cs.probe_interval_s, "worker health", health.once),
+        partial(upkeep.every, 1.0, "timeouts", partial(upkeep.timeouts, store)),
+        partial(upkeep.every, 15.0, "gc", partial(upkeep.collect_garbage, store, workers)),
+        partial(upkeep.every, 1.0, "volumes", partial(upkeep.delete_volumes, store, workers)),
+        partial(upkeep.every, 60.0, "stale", partial(upkeep.stale_checkpoints, store, workers)),
+        partial(upkeep.every, 0.5, "templates", builds.once),
+    ]
+    tasks = [asyncio.ensure_future(leadership.hold()), *(asyncio.ensure_future(f()) for f in loops)]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await listener.close()

@@ -1,24 +1,105 @@
-"""Which worker gets a new sandbox: an active one with room, the least loaded first."""
+"""Which worker gets a new sandbox: an active, healthy one with room, the least loaded first.
+
+Memory is counted as the worker measures it: what its VMMs really take (their proportional set
+size, so pages the host merges across clones count once), plus the room it holds for VMs being
+made or resumed, as of its last health probe; sandboxes placed there since count at their guest
+RAM plus the VMM overhead the worker measured. A worker that was never measured is counted by
+guest RAM. vCPUs count against the worker's (overcommitted) vCPUs; disk against what its pool
+can still promise. Sandboxes that hold a VM or will need one again count (a suspended one holds
+its resume's room); an `error` one holds none.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, replace
 
 from space.db.store import Row
+from space.db.store.workers import WorkerLoad
+
+
+@dataclass(frozen=True)
+class Need:
+    vcpus: int
+    memory_mib: int
+    disk_mib: int = 0
+
+
+Load = Mapping[str, WorkerLoad]
+
+
+def used_memory_mib(w: Row, load: WorkerLoad, members_give_way: bool = False) -> int:
+    """MiB in use on worker `w`: measured, plus what was placed there since."""
+    overhead: int = w["overhead_mib"]
+    measured: int | None = w["used_memory_mib"]
+    if measured is None:
+        used = load.memory_mib + load.count * overhead
+    else:
+        used = measured + load.fresh_memory_mib + load.fresh_count * overhead
+    if members_give_way and load.pool_count:
+        given = load.pool_memory_mib + load.pool_count * overhead
+        settled = load.count - load.fresh_count
+        if measured is not None and settled > 0:
+            # A member gives back what it takes, which a measurement knows only on average.
+            given = min(given, load.pool_count * (measured // settled))
+        used -= given
+    return max(used, 0)
+
+
+def shortage(w: Row, load: Load, need: Need, members_give_way: bool = False) -> str | None:
+    """Why `need` does not fit on worker `w` now; None if it does."""
+    if w["state"] != "active":
+        return f"worker {w['id']} is {w['state']}"
+    if w["problem"]:
+        return f"worker {w['id']}: {w['problem']}"
+    here = load.get(w["id"], WorkerLoad())
+    cpu = here.vcpus - (here.pool_vcpus if members_give_way else 0)
+    if cpu + need.vcpus > w["capacity_vcpus"]:
+        return f"worker {w['id']}: {cpu} of {w['capacity_vcpus']} vCPUs in use"
+    used_mem = used_memory_mib(w, here, members_give_way)
+    if used_mem + need.memory_mib + w["overhead_mib"] > w["capacity_memory_mib"]:
+        return f"worker {w['id']}: {used_mem} of {w['capacity_memory_mib']} MiB in use"
+    if w["capacity_disk_mib"] and w["used_disk_mib"] + need.disk_mib > w["capacity_disk_mib"]:
+        return (
+            f"worker {w['id']}: its disk pool can take {w['capacity_disk_mib']} MiB more, "
+            f"{w['used_disk_mib']} MiB of it promised"
+        )
+    return None
 
 
 def pick_worker(
-    workers: Sequence[Row], load: dict[str, tuple[int, int]], vcpus: int, memory_mib: int
+    workers: Sequence[Row], load: Load, need: Need, members_give_way: bool = False
 ) -> str | None:
     best: tuple[float, str] | None = None
     for w in workers:
-        if w["state"] != "active":
+        if shortage(w, load, need, members_give_way) is not None:
             continue
-        used_cpu, used_mem = load.get(w["id"], (0, 0))
-        cpu_cap, mem_cap = w["capacity_vcpus"], w["capacity_memory_mib"]
-        if used_cpu + vcpus > cpu_cap or used_mem + memory_mib > mem_cap:
-            continue
-        score = max(used_mem / mem_cap, used_cpu / cpu_cap)
+        here = load.get(w["id"], WorkerLoad())
+        used_mem = used_memory_mib(w, here, members_give_way)
+        score = max(used_mem / w["capacity_memory_mib"], here.vcpus / w["capacity_vcpus"])
         if best is None or (score, w["id"]) < best:
             best = (score, w["id"])
     return best[1] if best else None
+
+
+def place(workers: Sequence[Row], load: MutableMapping[str, WorkerLoad], need: Need) -> str | None:
+    """pick_worker, and count `need` in `load` where it went (for several placements at once)."""
+    worker_id = pick_worker(workers, load, need)
+    if worker_id is not None:
+        here = load.get(worker_id, WorkerLoad())
+        load[worker_id] = replace(
+            here,
+            vcpus=here.vcpus + need.vcpus,
+            memory_mib=here.memory_mib + need.memory_mib,
+            disk_mib=here.disk_mib + need.disk_mib,
+            count=here.count + 1,
+            fresh_memory_mib=here.fresh_memory_mib + need.memory_mib,
+            fresh_count=here.fresh_count + 1,
+        )
+    return worker_id
+
+
+def why_not(workers: Sequence[Row], load: Load, need: Need, members_give_way: bool = False) -> str:
+    """What keeps `need` off every worker, for a refusal that says so."""
+    reasons = [r for w in workers if (r := shortage(w, load, need, members_give_way))]
+    return "; ".join(reasons) or "no worker is registered"

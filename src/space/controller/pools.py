@@ -15,15 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from datetime import UTC, datetime
 
 from prometheus_client import Counter as Metric
 from prometheus_client import Gauge, Histogram
 
-from space.controller.placement import pick_worker
+from space.controller.placement import Need, place, used_memory_mib
 from space.db.listen import Listener
 from space.db.store import Row, Store
+from space.db.store.workers import WorkerLoad
+from space.settings import PoolSettings
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +45,11 @@ TARGET = Gauge("space_pool_target", "Members each pool should have", ["template"
 LIVE = Gauge("space_pool_members", "Pool members ready or on their way", ["template"])
 
 
-def refill_concurrency() -> int:
-    """Members of one pool being made at once: refills are background work and must not starve
-    the creates people wait for of the host's CPUs."""
-    return int(os.environ.get("SPACE_POOL_REFILL_CONCURRENCY", "2"))
-
-
-def reserve_mib() -> int:
-    """Below this much MemAvailable on a worker's host, its pool members are let go."""
-    return int(os.environ.get("SPACE_POOL_RESERVE_MIB", "1024"))
-
-
 class Pools:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, settings: PoolSettings) -> None:
         self.store = store
-        self.reserve_mib = reserve_mib()
-        self.refill_concurrency = refill_concurrency()
+        self.reserve_mib = settings.reserve_mib
+        self.refill_concurrency = settings.refill_concurrency
 
     async def run(self, listener: Listener) -> None:
         wake = listener.subscribe()
@@ -119,23 +109,21 @@ class Pools:
             room = max(0, self.refill_concurrency - starting)
             for _ in range(min(tpl["pool_size"] - len(have), room)):
                 open_workers = [w for w in workers if w["id"] not in squeezed]
-                vcpus, mem = tpl["pool_vcpus"], tpl["pool_memory_mib"]
-                worker_id = pick_worker(open_workers, load, vcpus, mem)
-                if worker_id is None:
+                need = Need(tpl["pool_vcpus"], tpl["pool_memory_mib"], tpl["pool_disk_mib"])
+                if place(open_workers, load, need) is None:
                     break  # full: the pool stays short until room appears
-                used_cpu, used_mem = load.get(worker_id, (0, 0))
-                load[worker_id] = (used_cpu + vcpus, used_mem + mem)
                 have.append(await self.store.add_pool_member(tpl))
             LIVE.labels(tid).set(len(have))
 
-    async def evict_for(self, row: Row) -> bool:
-        """Delete pool members so that `row` fits somewhere; False if that cannot help.
+    async def evict_for(self, row: Row) -> str | None:
+        """Delete pool members so that `row` fits somewhere: what is being done, for its
+        events; None if that cannot help.
 
         Members on the worker closest to having room go first, so one eviction suffices when
         it can."""
         workers = {w["id"]: w for w in await self.store.workers() if w["state"] == "active"}
         if any(m["worker_id"] in workers for m in await self.store.pool_members(dropping=True)):
-            return True  # room is already being made; the load does not show it yet
+            return "warm-pool members are giving way"  # the load does not show it yet
         load = await self.store.worker_load()
         by_worker: dict[str, list[Row]] = {}
         for m in await self.store.pool_members():
@@ -144,23 +132,26 @@ class Pools:
         best: tuple[int, list[Row]] | None = None
         for worker_id, ms in by_worker.items():
             w = workers[worker_id]
-            used_cpu, used_mem = load.get(worker_id, (0, 0))
-            need_mem = used_mem + row["memory_mib"] - w["capacity_memory_mib"]
-            need_cpu = used_cpu + row["vcpus"] - w["capacity_vcpus"]
+            here = load.get(worker_id, WorkerLoad())
+            overhead = w["overhead_mib"]
+            need_mem = (used_memory_mib(w, here) + overhead + row["memory_mib"]
+                        - w["capacity_memory_mib"])  # fmt: skip
+            need_cpu = here.vcpus + row["vcpus"] - w["capacity_vcpus"]
             victims: list[Row] = []
             for m in sorted(ms, key=lambda m: m["memory_mib"], reverse=True):
                 if need_mem <= 0 and need_cpu <= 0:
                     break
                 victims.append(m)
-                need_mem -= m["memory_mib"]
+                need_mem -= m["memory_mib"] + overhead
                 need_cpu -= m["vcpus"]
             if need_mem <= 0 and need_cpu <= 0 and (best is None or len(victims) < best[0]):
                 best = (len(victims), victims)
         if best is None:
-            return False
+            return None
         for m in best[1]:
             await self._drop(m, "evicted", f"room for sandbox {row['id']}")
-        return True
+        template = best[1][0]["template"]
+        return f"{len(best[1])} warm-pool member(s) of {template} evicted to make room"
 
     def refilled(self, member: Row) -> None:
         took = (datetime.now(UTC) - member["created_at"]).total_seconds()

@@ -1,9 +1,15 @@
 """Drives every sandbox from its `state` to its `desired_state`, one step at a time.
 
-Each step is a compare-and-set in the database around an idempotent worker call, so a
-controller that dies between the two leaves a transitional state that the next leader simply
-drives again. A worker that cannot be reached leaves the sandbox where it is, to be retried;
-the health loop decides when a worker is gone.
+Each step is a compare-and-set in the database around an idempotent worker call, and nothing
+holds a transaction across that call: a controller that dies between the two leaves a
+transitional state that the next leader simply drives again. Every call carries the leader's
+epoch and every write is fenced by it, so a leader that lost its lease cannot act. A worker that
+cannot be reached leaves the sandbox where it is, to be retried; the health loop decides when a
+worker is lost.
+
+The same path carries policy changes (the API bumps `network_version`; a running sandbox gets
+the new policy from here) and reboots (the health loop puts a sandbox whose VMM died back to
+`starting`; the worker boots it again from its own disk).
 """
 
 from __future__ import annotations
@@ -11,16 +17,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
-from space.controller.placement import pick_worker
+from space import logs
+from space.controller.leader import Leadership, LostLeadership
+from space.controller.placement import Need, pick_worker, why_not
 from space.controller.pools import Pools
 from space.db.listen import Listener
 from space.db.sealing import Sealer, SealError
 from space.db.store import Refused, Row, Store
 from space.netpolicy import placeholder_env, policy_for
-from space.worker.client import WorkerClient, WorkerError
+from space.settings import ControllerSettings
+from space.worker.api.client import Worker, WorkerClient, WorkerError
+from space.worker.api.models import CreateVM, VolumeSpec
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +53,42 @@ FROM = {
 
 class Reconciler:
     def __init__(
-        self, store: Store, workers: WorkerClient, listener: Listener, pools: Pools, sealer: Sealer
+        self,
+        store: Store,
+        workers: WorkerClient,
+        listener: Listener,
+        pools: Pools,
+        sealer: Sealer,
+        leadership: Leadership,
+        settings: ControllerSettings,
     ) -> None:
         self.sealer = sealer
         self.store = store
         self.workers = workers
         self.listener = listener
         self.pools = pools
+        self.leadership = leadership
+        self.settings = settings
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._placement = asyncio.Lock()
+        self._lost: LostLeadership | None = None
+        self._wake = asyncio.Event()
 
     async def run(self) -> None:
-        wake = self.listener.subscribe()
+        """Until cancelled, or until leadership is lost (LostLeadership)."""
+        wake = self._wake = self.listener.subscribe()
         try:
             while True:
                 wake.clear()
-                for row in await self.store.sandboxes_to_reconcile():
+                if self._lost is not None:
+                    raise self._lost
+                self.leadership.check()
+                try:
+                    rows = await self.store.sandboxes_to_reconcile()
+                except Exception as e:  # the database is away: look again in a moment
+                    log.warning("sandboxes to reconcile not read: %s", e)
+                    rows = []
+                for row in rows:
                     sid = row["id"]
                     if sid not in self._inflight:
                         task = asyncio.ensure_future(self._drive(sid))
@@ -70,6 +101,10 @@ class Reconciler:
             for task in list(self._inflight.values()):
                 task.cancel()
 
+    def _stop(self, e: LostLeadership) -> None:
+        self._lost = e
+        self._wake.set()
+
     def _done(self, sid: str, _task: asyncio.Task[None]) -> None:
         self._inflight.pop(sid, None)
 
@@ -79,8 +114,12 @@ class Reconciler:
                 row = await self.store.get_sandbox(sid)
                 if not await self._step(row):
                     return
+        except LostLeadership as e:
+            self._stop(e)
         except WorkerError as e:
-            if e.status == 0:
+            if e.status == 412:
+                self._stop(LostLeadership(e.detail))
+            elif e.status == 0:
                 log.info("sandbox %s: worker unreachable, will retry: %s", sid, e)
                 await asyncio.sleep(RETRY_S)
             else:
@@ -89,28 +128,48 @@ class Reconciler:
             log.exception("sandbox %s: reconcile step failed", sid)
             await asyncio.sleep(RETRY_S)
 
-    async def _worker_url(self, row: Row) -> str | None:
+    async def _worker(self, row: Row) -> Worker | None:
         if not row["worker_id"]:
             return None
         worker = await self.store.worker(row["worker_id"])
         if worker is None or worker["state"] != "active":
             return None
-        return f"{worker['url']}/vms/{row['id']}"
+        return Worker(worker["id"], worker["url"])
+
+    async def _to(self, row: Row, states: list[str], to: str, **values: Any) -> Row | None:
+        return await self.store.transition(
+            row["id"], states, to, fence=self.leadership.check(), **values
+        )
 
     async def _step(self, row: Row) -> bool:
         """One step toward the desired state; True if another step may follow at once."""
-        sid, state, desired = row["id"], row["state"], row["desired_state"]
+        # This task's lines are about this sandbox, for the request that asked for its state.
+        logs.bind(request_id=row["request_id"], tenant=row["tenant_id"], sandbox=row["id"],
+                  worker=row["worker_id"])  # fmt: skip
+        state, desired = row["state"], row["desired_state"]
         if desired == "deleted":
             return await self._delete(row)
+        if state == "claiming":
+            return await self._stale_claim(row)
         if state == "pending":
             return await self._place(row)
         if state == "starting":
             return await self._start(row)
         if state in ("pausing", "resuming", "suspending"):
             return await self._finish(row, state)
+        if state in ("running", "paused") and row["network_applied"] < row["network_version"]:
+            await self._push_network(row)
         step = STEPS.get(desired)
         if step and state != desired and state in FROM[desired]:
-            return await self.store.transition(sid, [state], step[0], prev_state=state) is not None
+            return await self._to(row, [state], step[0], prev_state=state) is not None
+        return False
+
+    async def _stale_claim(self, row: Row) -> bool:
+        """A claim the API did not finish in time (it died between its steps): dropped."""
+        age = (datetime.now(UTC) - row["updated_at"]).total_seconds()
+        if age > self.settings.claim_grace_s:
+            log.warning("sandbox %s: claim not confirmed in %.0f s; dropping it", row["id"], age)
+            await self.store.abandon_claim(row["id"], None, "its claim was never confirmed")
         return False
 
     async def _place(self, row: Row) -> bool:
@@ -124,67 +183,86 @@ class Reconciler:
             if len(homes) > 1:
                 where = ", ".join(sorted(homes))
                 why = f"its template and volumes live on different workers ({where})"
-                await self.store.transition(row["id"], ["pending"], "error", reason=why)
+                await self._to(row, ["pending"], "error", reason=why)
                 return False
             if homes:  # its template's or volumes' images are on one host: it must go there
                 workers = [w for w in workers if w["id"] in homes]
-            worker_id = pick_worker(workers, load, row["vcpus"], row["memory_mib"])
+            need = Need(row["vcpus"], row["memory_mib"], row["disk_mib"])
+            worker_id = pick_worker(workers, load, need)
             if worker_id is None and row["pool"]:
                 # A pool never waits for room: it only fills what real sandboxes leave free.
                 await self.store.drop_pool_members([row["id"]], "no worker has room")
                 return False
             if worker_id is None:
                 # Warm-pool members give their room to a sandbox somebody asked for.
-                if await self.pools.evict_for(row):
-                    return False
-                reason = "waiting for a worker with room"
+                if evicted := await self.pools.evict_for(row):
+                    reason = f"waiting for room: {evicted}"
+                else:
+                    reason = f"waiting for a worker with room: {why_not(workers, load, need)}"
                 if row["reason"] != reason:
-                    await self.store.transition(row["id"], ["pending"], "pending", reason=reason)
+                    await self._to(row, ["pending"], "pending", reason=reason)
                 return False
             if volumes:
                 await self.store.bind_volumes([v["id"] for v in volumes], worker_id)
-            return (
-                await self.store.transition(row["id"], ["pending"], "starting", worker_id=worker_id)
-                is not None
-            )
+            logs.bind(worker=worker_id)
+            log.info("sandbox %s placed on worker %s", row["id"], worker_id)
+            return await self._to(row, ["pending"], "starting", worker_id=worker_id) is not None
 
     async def _start(self, row: Row) -> bool:
-        url = await self._worker_url(row)
-        if url is None:
-            return False  # the health loop deals with sandboxes of dead workers
+        worker = await self._worker(row)
+        if worker is None:
+            return False  # the health loop deals with sandboxes of lost workers
         try:
             policy = await policy_for(self.store, self.sealer, row)
         except (Refused, SealError) as e:
-            await self.store.transition(row["id"], ["starting"], "error", reason=str(e))
+            await self._to(row, ["starting"], "error", reason=str(e))
             return False
-        body: dict[str, Any] = {
-            "template": row["template"],
-            "vcpus": row["vcpus"],
-            "memory_mib": row["memory_mib"],
-            "disk_mib": row["disk_mib"],
-            "env": {**row["env"], **placeholder_env(row["secrets"])},
-            "network": policy.model_dump(),
-            "hostname": row["id"],
-            "warm": row["pool"],
-            "volumes": [
-                {k: v[k] for k in ("id", "size_mib", "path", "read_only")}
+        body = CreateVM(
+            template=row["template"],
+            vcpus=row["vcpus"],
+            memory_mib=row["memory_mib"],
+            disk_mib=row["disk_mib"],
+            env={**row["env"], **placeholder_env(row["secrets"])},
+            network=policy,
+            hostname=row["id"],
+            warm=row["pool"],
+            volumes=[
+                VolumeSpec(**{k: v[k] for k in ("id", "size_mib", "path", "read_only")})
                 for v in await self.store.sandbox_volumes(row)
             ],
-        }
+        )
         try:
-            made = await self.workers.call("PUT", url, json=body)
+            made = await self.workers.create_vm(worker, row["id"], body)
         except WorkerError as e:
-            if e.status == 0:
-                raise
-            await self.store.transition(row["id"], ["starting"], "error", reason=e.detail)
+            if e.status in (0, 412, 503):
+                raise  # unreachable, not the leader any more, or not now: retried
+            await self._to(row, ["starting"], "error", reason=e.detail)
             return False
-        values: dict[str, Any] = {"boot": made.get("boot")}
+        log.info("sandbox %s running on worker %s (%s, %.0f ms there)", row["id"], worker.id,
+                 made.boot, made.took_ms)  # fmt: skip
+        values: dict[str, Any] = {"network_applied": row["network_version"], "reason": None}
+        if row["boot"] is None:
+            values["boot"] = made.boot  # how it first came to run (a reboot keeps it)
         if row["pool"]:
             values["expires_at"] = None  # a pool member's timeout starts at its claim
-        done = await self.store.transition(row["id"], ["starting"], "running", **values)
-        if done is not None and row["pool"]:
+        done = await self._to(row, ["starting"], "running", **values)
+        if done is not None and row["pool"] and row["boot"] is None:
             self.pools.refilled(done)
         return done is not None
+
+    async def _push_network(self, row: Row) -> None:
+        """Put the sandbox's current egress policy in force on its worker."""
+        worker = await self._worker(row)
+        if worker is None:
+            return
+        try:
+            policy = await policy_for(self.store, self.sealer, row)
+        except (Refused, SealError) as e:
+            log.warning("sandbox %s: its new policy cannot be built: %s", row["id"], e)
+            return
+        await self.workers.set_network(worker, row["id"], policy)
+        await self.store.network_applied(row["id"], row["network_version"],
+                                         self.leadership.check())  # fmt: skip
 
     async def _finish(self, row: Row, state: str) -> bool:
         desired = row["desired_state"]
@@ -192,41 +270,43 @@ class Reconciler:
         if step is None or step[0] != state:
             # The wish changed mid-way (e.g. delete while pausing); settle this step first.
             step = next(s for s in STEPS.values() if s[0] == state)
-        url = await self._worker_url(row)
-        if url is None:
+        worker = await self._worker(row)
+        if worker is None:
             return False
         try:
-            await self.workers.call("POST", f"{url}/{step[1]}")
+            await self.workers.change_vm(worker, row["id"], step[1])
         except WorkerError as e:
-            if e.status == 0:
+            if e.status in (0, 412, 503):
                 raise
             # The worker refused the step: the VM is still as it was, so the sandbox goes back
             # to where it came from (and stops asking), with the reason; it stays usable.
             back = row["prev_state"]
             if back in ("running", "paused", "suspended"):
-                await self.store.transition(
-                    row["id"], [state], back, reason=f"{step[1]} failed: {e.detail}",
+                await self._to(
+                    row, [state], back, reason=f"{step[1]} failed: {e.detail}",
                     desired_state=back, prev_state=None,
                 )  # fmt: skip
             else:
-                await self.store.transition(row["id"], [state], "error", reason=e.detail)
+                await self._to(row, [state], "error", reason=e.detail)
             return False
-        return await self.store.transition(row["id"], [state], step[2]) is not None
+        log.info("sandbox %s %s on worker %s: done", row["id"], step[1], worker.id)
+        return await self._to(row, [state], step[2]) is not None
 
     async def _delete(self, row: Row) -> bool:
         sid, state = row["id"], row["state"]
         if state == "deleted":
             return False
         if state != "deleting":
-            return await self.store.transition(sid, [state], "deleting") is not None
-        url = await self._worker_url(row)
-        if url is not None:
+            return await self._to(row, [state], "deleting") is not None
+        worker = await self._worker(row)
+        if worker is not None:
             try:
-                await self.workers.call("DELETE", url)
+                await self.workers.delete_vm(worker, sid)
             except WorkerError as e:
-                if e.status not in (404,):
+                if e.status != 404:
                     raise
         # Without a live worker there is nothing to stop now; the worker's own clean-up removes
         # the VM and disk when it comes back (it keeps only what the database still wants).
-        await self.store.transition(sid, ["deleting"], "deleted")
+        await self._to(row, ["deleting"], "deleted")
+        log.info("sandbox %s deleted", sid)
         return False

@@ -1,22 +1,29 @@
-"""The periodic loops: sandbox timeouts, worker health and recovery, garbage collection."""
+"""The periodic loops: sandbox timeouts, garbage collection, volume and template clean-up, and
+template builds. Loops that call workers call them all at once, each call with its deadline, so
+one slow worker holds up nobody else.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
-from space.db.sealing import Sealer, SealError
-from space.db.store import Conflict, NotFound, Refused, Row, Store
-from space.netpolicy import policy_for
-from space.worker.client import WorkerClient, WorkerError
+from space.controller.leader import Leadership, LostLeadership
+from space.controller.placement import Need, pick_worker
+from space.db.sealing import Sealer
+from space.db.store import Conflict, NotFound, Row, Store
+from space.db.store.templates import build_context
+from space.worker.api.client import Worker, WorkerClient, WorkerError
+from space.worker.api.models import BuildRequest
 
 log = logging.getLogger(__name__)
 
 TIMEOUT_ACTIONS = {"pause": ("paused", "pause"), "suspend": ("suspended", "suspend"),
                    "delete": ("deleted", "delete")}  # fmt: skip
-LIVE = ("starting", "running", "pausing", "paused", "resuming", "suspending")
-LOST = "worker {} lost: no heartbeat for {}s"
+BUILD_NEED = Need(1, 512)  # what a build VM holds on its worker
 
 
 async def timeouts(store: Store) -> None:
@@ -32,104 +39,47 @@ async def timeouts(store: Store) -> None:
             pass  # it changed meanwhile
 
 
-async def worker_health(
-    store: Store, workers: WorkerClient, sealer: Sealer, dead_after_s: float
-) -> None:
-    """Workers that stopped heartbeating lose their sandboxes (with a reason) until they return;
-    live workers are asked which VMs they really hold."""
-    for worker_id in await store.mark_dead_workers(dead_after_s):
-        log.warning("worker %s stopped heartbeating", worker_id)
-    for worker in await store.workers():
-        rows = await store.on_worker(worker["id"])
-        if worker["state"] != "active":
-            # Every pass, not only when the worker is found dead: a controller that died half-way,
-            # or a placement that raced the verdict, must not leave sandboxes behind.
-            for row in rows:
-                if row["state"] in LIVE:
-                    await store.transition(
-                        row["id"], [row["state"]], "error",
-                        reason=LOST.format(worker["id"], dead_after_s), prev_state=row["state"],
-                    )  # fmt: skip
-            continue
-        await _verify(store, workers, sealer, worker, rows)
-
-
-async def _verify(
-    store: Store, workers: WorkerClient, sealer: Sealer, worker: Row, rows: list[Row]
-) -> None:
-    """Compare a live worker's VMs with its sandboxes in the database: the VMs a returning
-    worker re-adopted go back to where they were; a running or paused sandbox whose VM is gone
-    (or broken) is an error with the worker's reason."""
-    url = worker["url"]
-    marker = f"worker {worker['id']} lost"
-    lost = [r for r in rows if r["state"] == "error" and (r["reason"] or "").startswith(marker)]
-    settled = [r for r in rows if r["state"] in ("running", "paused")]
-    try:
-        health = await workers.call("GET", f"{url}/health")
-    except WorkerError as e:
-        log.info("worker at %s not answering: %s", url, e)
-        return
-    vms = {vm["id"]: vm for vm in health.get("vms", [])}
-    for row in settled:
-        vm = vms.get(row["id"])
-        if vm is None or vm.get("state") == "error":
-            why = (vm or {}).get("reason") or "its VM is gone from the worker"
-            await store.transition(row["id"], [row["state"]], "error", reason=str(why),
-                                   prev_state=row["state"])  # fmt: skip
-    for row in settled:
-        if vms.get(row["id"], {}).get("policy") is False:
-            # The worker restarted and its VMs have been deny-all since: their policy again.
-            try:
-                policy = await policy_for(store, sealer, row)
-                await workers.call(
-                    "PUT", f"{url}/vms/{row['id']}/network", json=policy.model_dump()
-                )
-            except (Refused, SealError, WorkerError) as e:
-                log.warning("sandbox %s: its egress policy not restored: %s", row["id"], e)
-    found = {vm_id: vm["state"] for vm_id, vm in vms.items()}
-    for row in lost:
-        vm_state = found.get(row["id"])
-        if vm_state is not None:
-            # A transition interrupted by the loss is driven again from the VM's real state.
-            await store.transition(row["id"], ["error"], vm_state, reason=None, prev_state=None)
-            log.info("sandbox %s recovered on its worker (%s)", row["id"], vm_state)
-        else:
-            await store.transition(
-                row["id"], ["error"], "error",
-                reason=f"the VM did not survive the loss of worker {row['worker_id']}",
-                prev_state=None,
-            )  # fmt: skip
+async def each_worker(workers: Iterable[Row], call: Callable[[Row], Awaitable[None]]) -> None:
+    """`call(worker)` for every active worker at once; a stale epoch ends the leadership."""
+    active = [w for w in workers if w["state"] == "active"]
+    results = await asyncio.gather(*(call(w) for w in active), return_exceptions=True)
+    for w, result in zip(active, results, strict=True):
+        if isinstance(result, WorkerError) and result.status == 412:
+            raise LostLeadership(result.detail)
+        if isinstance(result, WorkerError):
+            log.info("worker %s: %s", w["id"], result)
+        elif isinstance(result, BaseException):
+            log.warning("worker %s: %r", w["id"], result)
 
 
 async def collect_garbage(store: Store, workers: WorkerClient) -> None:
     """Each live worker drops the VMs and snapshots the database no longer wants."""
-    for worker in await store.workers():
-        if worker["state"] != "active":
-            continue
-        keep = [r["id"] for r in await store.on_worker(worker["id"])]
-        try:
-            result = await workers.call("POST", f"{worker['url']}/reconcile", json={"keep": keep})
-        except WorkerError as e:
-            log.info("garbage collection on %s skipped: %s", worker["id"], e)
-            continue
-        if result and result.get("removed"):
-            log.info("worker %s removed strays: %s", worker["id"], result["removed"])
+
+    async def one(w: Row) -> None:
+        keep = [r["id"] for r in await store.on_worker(w["id"])]
+        result = await workers.reconcile(Worker(w["id"], w["url"]), keep)
+        if result.removed:
+            log.info("worker %s removed strays: %s", w["id"], result.removed)
+
+    await each_worker(await store.workers(), one)
 
 
 async def _remove_on_worker(
-    store: Store, workers: WorkerClient, worker_id: str | None, path: str
+    store: Store, worker_id: str | None, remove: Callable[[Worker], Awaitable[None]]
 ) -> bool:
-    """DELETE `path` on the worker that holds a file (none: nothing to remove); False if that
-    has to wait (the worker is away, or refused)."""
+    """Remove something a worker holds (none: nothing to remove); False if that has to wait
+    (the worker is away, or refused)."""
     worker = await store.worker(worker_id) if worker_id else None
     if worker is None:
         return True
     if worker["state"] != "active":
         return False  # the file is on that host: wait for the worker to come back
     try:
-        await workers.call("DELETE", f"{worker['url']}{path}")
+        await remove(Worker(worker["id"], worker["url"]))
     except WorkerError as e:
-        log.info("%s not removed yet: %s", path, e)
+        if e.status == 412:
+            raise LostLeadership(e.detail) from None
+        log.info("not removed from worker %s yet: %s", worker["id"], e)
         return False
     return True
 
@@ -137,40 +87,116 @@ async def _remove_on_worker(
 async def delete_volumes(store: Store, workers: WorkerClient) -> None:
     """Volumes asked to be deleted lose their image on their worker, then their row."""
     for vol in await store.volumes_to_delete():
-        if await _remove_on_worker(store, workers, vol["worker_id"], f"/volumes/{vol['id']}"):
+
+        async def remove(w: Worker, vid: str = vol["id"]) -> None:
+            await workers.delete_volume(w, vid)
+
+        if await _remove_on_worker(store, vol["worker_id"], remove):
             await store.volume_deleted(vol["id"])
 
 
-async def template_builds(store: Store, workers: WorkerClient) -> None:
-    """Builds under way are asked how they did; deleted templates leave their worker once no
-    sandbox of them is left."""
-    for tpl in await store.templates_in("building"):
-        worker = await store.worker(tpl["worker_id"])
+STALE_CHECKPOINT_S = 600.0  # far past the deadline of the calls that make and delete one
+
+
+async def stale_checkpoints(store: Store, workers: WorkerClient) -> None:
+    """Checkpoints the API left half-made or half-deleted lose their files, then their row."""
+    for ck in await store.stale_checkpoints(STALE_CHECKPOINT_S):
+
+        async def remove(w: Worker, sid: str = ck["sandbox_id"], cid: str = ck["id"]) -> None:
+            await workers.delete_checkpoint(w, sid, cid)
+
+        if await _remove_on_worker(store, ck["worker_id"], remove):
+            await store.drop_checkpoint(ck["id"])
+            log.info("checkpoint %s of %s was left %s; removed", ck["id"], ck["sandbox_id"],
+                     ck["state"])  # fmt: skip
+
+
+class TemplateBuilds:
+    """Builds asked for are started on a worker (the template's own, or one with room); builds
+    under way are asked how they did; deleted templates leave their worker once no sandbox of
+    them is left."""
+
+    def __init__(
+        self, store: Store, workers: WorkerClient, sealer: Sealer, leadership: Leadership
+    ) -> None:
+        self.store = store
+        self.workers = workers
+        self.sealer = sealer
+        self.leadership = leadership
+
+    async def once(self) -> None:
+        self.leadership.check()
+        for build in await self.store.queued_builds():
+            await self._start(build)
+        for tpl in await self.store.templates_in("building"):
+            await self._follow(tpl)
+        for tpl in await self.store.templates_in("deleting"):
+            if await self.store.template_users(tpl["id"]):
+                continue  # its pool members are still being deleted
+
+            async def remove(w: Worker, name: str = tpl["id"]) -> None:
+                await self.workers.delete_template(w, name)
+
+            if await _remove_on_worker(self.store, tpl["worker_id"], remove):
+                await self.store.forget_template(tpl["id"])
+
+    async def _start(self, build: Row) -> None:
+        workers = await self.store.workers()
+        home = build["worker_id"]
+        if home is not None:
+            # Its sandboxes and its build cache are there: a rebuild stays on that worker.
+            workers = [w for w in workers if w["id"] == home]
+        worker_id = pick_worker(workers, await self.store.worker_load(), BUILD_NEED)
+        if worker_id is None:
+            return  # it waits in the queue until there is room
+        w = next(w for w in workers if w["id"] == worker_id)
+        environ: dict[str, str] = {}
+        if build["environ_sealed"] is not None:
+            raw = self.sealer.open(build["environ_key_id"], bytes(build["environ_sealed"]),
+                                   build_context(build["template_id"]))  # fmt: skip
+            environ = json.loads(raw)
+        body = BuildRequest(
+            spec=build["spec"], context=base64.b64encode(bytes(build["context"])).decode(),
+            environ=environ, request_id=build["request_id"],
+        )  # fmt: skip
+        try:
+            worker = Worker(w["id"], w["url"])
+            started = await self.workers.start_build(worker, build["template_id"], body)
+        except WorkerError as e:
+            if e.status in (0, 412, 503):
+                raise
+            await self.store.fail_queued_build(build["template_id"], build["request_id"], e.detail)
+            return
+        await self.store.begin_build(
+            build["template_id"], build["request_id"], worker_id, started.id
+        )
+
+    async def _follow(self, tpl: Row) -> None:
+        worker = await self.store.worker(tpl["worker_id"])
         if worker is None or worker["state"] != "active":
             lost = f"worker {tpl['worker_id']} was lost during the build"
-            await store.finish_build(tpl["id"], tpl["build_id"], None, lost)
-            continue
+            await self.store.finish_build(tpl["id"], tpl["build_id"], None, lost)
+            return
         try:
-            status = await workers.call("GET", f"{worker['url']}/builds/{tpl['build_id']}")
+            status = await self.workers.build_status(Worker(worker["id"], worker["url"]),
+                                                     tpl["build_id"])  # fmt: skip
         except WorkerError as e:
             if e.status == 404:  # the worker restarted: the build died with it
                 lost = "the build was lost when its worker restarted"
-                await store.finish_build(tpl["id"], tpl["build_id"], None, lost)
-            continue
-        if status["state"] != "building":
-            await store.finish_build(tpl["id"], tpl["build_id"], status["record"], status["error"])
-    for tpl in await store.templates_in("deleting"):
-        if await store.template_users(tpl["id"]):
-            continue  # its pool members are still being deleted
-        if await _remove_on_worker(store, workers, tpl["worker_id"], f"/templates/{tpl['id']}"):
-            await store.forget_template(tpl["id"])
+                await self.store.finish_build(tpl["id"], tpl["build_id"], None, lost)
+            return
+        if status.state != "building":
+            await self.store.finish_build(tpl["id"], tpl["build_id"], status.record, status.error)
 
 
 async def every(seconds: float, name: str, fn: Callable[[], Awaitable[None]]) -> None:
-    """Run `fn()` forever, `seconds` apart; an error is logged, not fatal."""
+    """Run `fn()` forever, `seconds` apart; an error is logged, not fatal (a lost leadership
+    is)."""
     while True:
         try:
             await fn()
+        except LostLeadership:
+            raise
         except Exception:
             log.exception("%s failed", name)
         await asyncio.sleep(seconds)

@@ -8,7 +8,6 @@ suspended sandbox's record must survive them) until `stop()`.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from pathlib import Path
 from urllib.parse import quote
@@ -51,11 +50,12 @@ def stop(pgdata: Path | None = None) -> None:
         server.stop()
 
 
-def database_url() -> str:
-    """`SPACE_DATABASE_URL` if set (any PostgreSQL), else the embedded server's."""
-    url = os.environ.get("SPACE_DATABASE_URL")
+def database_url(configured: str = "", state_dir: Path | None = None) -> str:
+    """`configured` (SPACE_DATABASE_URL: any PostgreSQL) if set, else the embedded server's in
+    the state directory (started if it is not running)."""
+    url = configured
     if url:
         if url.startswith("postgresql://") or url.startswith("postgres://"):
             url = "postgresql+asyncpg://" + url.split("://", 1)[1]
         return url
-    return start()
+    return start((state_dir / "postgres") if state_dir is not None else None)

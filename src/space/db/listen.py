@@ -16,6 +16,7 @@ import asyncpg
 from sqlalchemy.engine import make_url
 
 from space.db.store import CHANNEL
+from space.db.store.base import SERVER_SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,9 @@ async def raw_connect(url: str) -> asyncpg.Connection:
         database=u.database,
         host=u.query.get("host") or u.host,
         port=u.port,
+        timeout=10,
+        command_timeout=30,
+        server_settings=SERVER_SETTINGS,
     )
 
 
@@ -48,14 +52,25 @@ class Listener:
         await conn.add_listener(CHANNEL, self._on_notify)
         self._conn = conn
 
+    async def _alive(self) -> bool:
+        """The connection answers (a half-open one would take notifications to the grave)."""
+        if self._conn is None or self._conn.is_closed():
+            return False
+        try:
+            await asyncio.wait_for(self._conn.fetchval("SELECT 1"), 3)
+            return True
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            self._conn.terminate()
+            return False
+
     async def _keepalive(self) -> None:
         while True:
             await asyncio.sleep(2)
-            if self._conn is None or self._conn.is_closed():
+            if not await self._alive():
                 try:
                     await self._connect()
                     self._wake_all()  # anything may have happened meanwhile
-                except (OSError, asyncpg.PostgresError) as e:
+                except (OSError, asyncpg.PostgresError, TimeoutError) as e:
                     log.warning("LISTEN connection: %s", e)
 
     def _on_notify(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:

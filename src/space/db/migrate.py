@@ -6,6 +6,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.migration import MigrationContext
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -28,3 +29,12 @@ def _upgrade(connection: Connection) -> None:
 async def upgrade(engine: AsyncEngine) -> None:
     async with engine.begin() as conn:
         await conn.run_sync(_upgrade)
+
+
+async def revision(engine: AsyncEngine) -> str | None:
+    """The schema revision the database is at (None before the first upgrade)."""
+    async with engine.connect() as conn:
+        current: str | None = await conn.run_sync(
+            lambda c: MigrationContext.configure(c).get_current_revision()
+        )
+        return current

@@ -15,6 +15,8 @@ tenants = sa.Table(
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("name", sa.Text, nullable=False, unique=True),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    # An operator's overrides of the deployment's default quotas (space.quotas).
+    sa.Column("quotas", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
 )
 
 api_keys = sa.Table(
@@ -41,7 +43,8 @@ templates = sa.Table(
     sa.Column("pool_memory_mib", sa.Integer, nullable=False, server_default="256"),
     sa.Column("pool_disk_mib", sa.Integer, nullable=False, server_default="1024"),
     # Built templates: ready once their worker has built them (`base` is on every worker).
-    sa.Column("state", sa.Text, nullable=False, server_default="ready"),  # building|ready|failed
+    # queued (a build asked for) | building | ready | failed | deleting
+    sa.Column("state", sa.Text, nullable=False, server_default="ready"),
     sa.Column("worker_id", sa.Text, sa.ForeignKey("workers.id")),
     sa.Column("build_id", sa.Text),
     sa.Column("error", sa.Text),
@@ -61,6 +64,14 @@ workers = sa.Table(
     sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("mem_available_mib", sa.Integer),  # the host's MemAvailable at the last heartbeat
     sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    # From its health probes: what each VMM costs beyond its guest's RAM, what its disks may
+    # still take, and why it takes no work if it does not (its gateway is down, …).
+    sa.Column("overhead_mib", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("capacity_disk_mib", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("used_disk_mib", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("problem", sa.Text),
+    sa.Column("used_memory_mib", sa.Integer),  # measured by the worker (PSS), at measured_at
+    sa.Column("measured_at", sa.DateTime(timezone=True)),
 )
 
 sandboxes = sa.Table(
@@ -92,6 +103,18 @@ sandboxes = sa.Table(
     # A warm-pool member: owned by POOL_TENANT until a create claims it.
     sa.Column("pool", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("boot", sa.Text),  # how it came to run first: pool, restore or cold
+    # Egress policy changes: the API bumps the version, the controller pushes it to the worker
+    # and records the version in force there.
+    sa.Column("network_version", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("network_applied", sa.Integer, nullable=False, server_default="0"),
+    # A warm-pool member being handed over (state `claiming`): the claim that holds it.
+    sa.Column("claim_token", sa.Text),
+    # The API request that asked for its current desired state (null: the platform's own
+    # doing), so the controller's log lines for the steps it takes name that request.
+    sa.Column("request_id", sa.Text),
+    sa.Column("idle_timeout_s", sa.Integer),  # paused after this long without use; None: never
+    sa.Column("active_at", sa.DateTime(timezone=True)),  # its last exec, file call or ingress
+    sa.Column("idle_paused", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Index(
@@ -143,6 +166,23 @@ volumes = sa.Table(
     sa.Index("volumes_tenant", "tenant_id", "created_at"),
 )
 
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("sandbox_id", sa.Text, sa.ForeignKey("sandboxes.id"), nullable=False),
+    # On the worker of its sandbox (memory, devices, disk): checkpoints/<sandbox>/<id>.
+    sa.Column("worker_id", sa.Text, sa.ForeignKey("workers.id"), nullable=False),
+    sa.Column("name", sa.Text, nullable=False, server_default=""),
+    sa.Column("state", sa.Text, nullable=False),  # creating | ready | deleting
+    sa.Column("size_bytes", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("paused_ms", sa.Float),  # how long the guest was stopped for it
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Index("checkpoints_sandbox", "sandbox_id", "created_at"),
+    sa.Index("checkpoints_tenant", "tenant_id"),
+)
+
 events = sa.Table(
     "events",
     metadata,
@@ -155,4 +195,41 @@ events = sa.Table(
     sa.Column("to_state", sa.Text),
     sa.Column("reason", sa.Text),
     sa.Index("events_sandbox", "sandbox_id", "id"),
+)
+
+template_builds = sa.Table(
+    "template_builds",
+    metadata,
+    # A build asked for and not yet started on a worker (the controller starts it).
+    sa.Column("template_id", sa.Text, sa.ForeignKey("templates.id"), primary_key=True),
+    sa.Column("request_id", sa.Text, nullable=False),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("context", sa.LargeBinary, nullable=False),
+    # Registry credentials for this build, sealed like secrets; removed with the request.
+    sa.Column("environ_key_id", sa.Text),
+    sa.Column("environ_sealed", sa.LargeBinary),
+    sa.Column("requested_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+leases = sa.Table(
+    "leases",
+    metadata,
+    # Leadership: whoever holds an unexpired row leads; `epoch` grows at every new holder and
+    # fences the calls of holders that lost it.
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("holder", sa.Text, nullable=False),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+join_tokens = sa.Table(
+    "join_tokens",
+    metadata,
+    # One-time tokens a worker trades for its certificate (`space admin join-token`); only
+    # their hash is kept, and a token is bound to the one worker id it was made for.
+    sa.Column("token_sha256", sa.LargeBinary, primary_key=True),
+    sa.Column("worker_id", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("used_at", sa.DateTime(timezone=True)),
 )

@@ -2,8 +2,15 @@
 
 It sets up the little a VM needs before user code runs (pseudo-terminals, hostname, loopback),
 reaps orphans like any init, and serves the host over one byte stream (see `protocol`): it runs
-processes and streams their output, moves files in and out, and after a snapshot restore takes
-a fresh identity (clock, RNG, hostname, token) from the host.
+processes and streams their output, moves files in and out, after a snapshot restore takes a
+fresh identity (clock, RNG, hostname, token) from the host, and does the platform's own duties
+in the guest with system calls of its own (`storage`: flush, volumes, root size; `trust`: the
+gateway's CA; `tcp`: connections to guest ports for ingress), so the host never has to run a
+program of the guest's, which the tenant (root in there) may have replaced.
+
+Its modules are all imported at start, before any user code runs: its sources live in /run/space
+and the standard library on the guest's disk, both the tenant's to change later (so the host
+holds even the agent to its limits: see `protocol`).
 
 The stream is a virtio-serial port named `space.agent` under QEMU, or vsock port 1024 under
 Firecracker; `--listen-unix PATH` serves a unix socket instead (used to test the agent on a host).
@@ -26,12 +33,13 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from . import files, system
+from . import files, storage, system, tcp, trust
 from . import protocol as p
 from .common import Json, OpError, log, str_arg
 from .processes import ExecOp, Reaper
 
 Inbox = asyncio.Queue[tuple[p.FrameType, bytes]]
+Op = Callable[["Connection", int, Json], Awaitable[Json]]
 
 HOST_POLL_S = 0.5  # a disconnected virtio port is checked this often even without a SIGIO
 
@@ -54,6 +62,7 @@ class Connection:
         # sent right behind a REQUEST is never lost.
         self.inboxes: dict[int, Inbox] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.gone = asyncio.Event()  # the host went away: relays for it end
 
     async def _write(self, frame: bytes) -> None:
         if not self.alive:
@@ -85,6 +94,7 @@ class Connection:
             # Operations in flight keep running (processes are not killed because the host went
             # away, e.g. for a snapshot); what they would send is dropped.
             self.alive = False
+            self.gone.set()
             self.inboxes.clear()
 
     async def _dispatch(self, ftype: p.FrameType, channel: int, payload: bytes) -> None:
@@ -141,7 +151,12 @@ class Connection:
             result = p.error_body(p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             self.inboxes.pop(channel, None)
-        await self.send_json(p.FrameType.REPLY, channel, result)
+        reply = p.encode_json(p.FrameType.REPLY, channel, result)
+        if len(reply) - p.HEADER_SIZE > p.MAX_JSON:  # the host would refuse it
+            too_big = f"the reply would be {len(reply)} bytes, more than {p.MAX_JSON}"
+            body = p.error_body(p.ErrorCode.INTERNAL, too_big)
+            reply = p.encode_json(p.FrameType.REPLY, channel, body)
+        await self._write(reply)
 
 
 class Agent:
@@ -150,7 +165,7 @@ class Agent:
         self.in_vm = in_vm  # this is a VM's init, which may change the machine
         self.boot_id = system.boot_id()
         self.reaper: Reaper
-        self.ops: dict[str, Callable[[Connection, int, Json], Awaitable[Json]]] = {
+        self.ops: dict[str, Op] = {
             "ping": self.op_ping,
             "info": self.op_info,
             "exec": self.op_exec,
@@ -162,7 +177,24 @@ class Agent:
             "mkdir": files.mkdir,
             "identity": self.op_identity,
             "shutdown": self.op_shutdown,
+            "sync": storage.sync,
+            "mount_volumes": self.in_vm_only(storage.mount_volumes),
+            "unmount": self.in_vm_only(storage.unmount),
+            "grow_root_fs": self.in_vm_only(storage.grow_root_fs),
+            "seal_root_fs": self.in_vm_only(storage.seal_root_fs),
+            "install_ca": self.in_vm_only(trust.install_ca),
+            "tcp_connect": tcp.tcp_connect,
         }
+
+    def in_vm_only(self, op: Op) -> Op:
+        """`op` changes the machine: refused by an agent that is not a VM's init (tests)."""
+
+        async def guarded(conn: Connection, channel: int, req: Json) -> Json:
+            if not self.in_vm:
+                raise OpError(p.ErrorCode.INVALID, f"{req.get('op')} only works inside a VM")
+            return await op(conn, channel, req)
+
+        return guarded
 
     async def op_ping(self, conn: Connection, channel: int, req: Json) -> Json:
         return {}

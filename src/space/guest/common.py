@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import sys
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from . import protocol as p
 
 Json = dict[str, Any]
+T = TypeVar("T")
 
 
 def log(msg: str) -> None:
@@ -35,6 +39,7 @@ def os_error(e: OSError, path: str) -> OpError:
         errno.EPERM: p.ErrorCode.PERMISSION_DENIED,
         errno.ENOSPC: p.ErrorCode.NO_SPACE,
         errno.EDQUOT: p.ErrorCode.NO_SPACE,
+        errno.EBUSY: p.ErrorCode.BUSY,
     }
     code = codes.get(e.errno or 0, p.ErrorCode.INTERNAL)
     return OpError(code, f"{path}: {e.strerror or e}")
@@ -48,9 +53,47 @@ def str_arg(req: Json, key: str, required: bool = True, default: str = "") -> st
 
 
 def path_arg(req: Json) -> str:
-    path = str_arg(req, "path")
-    if not path.startswith("/"):
-        raise OpError(p.ErrorCode.INVALID, f"path must be absolute, got {path!r}")
+    return check_path(str_arg(req, "path"))
+
+
+def list_arg(req: Json, key: str, limit: int) -> list[Any]:
+    value = req.get(key)
+    if not isinstance(value, list) or len(value) > limit:
+        raise OpError(p.ErrorCode.INVALID, f"{key!r} must be a list of at most {limit} items")
+    return value
+
+
+def check_path(path: object, what: str = "path") -> str:
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise OpError(p.ErrorCode.INVALID, f"{what} must be an absolute path, got {path!r}")
     if "\0" in path:
-        raise OpError(p.ErrorCode.INVALID, "path contains a NUL byte")
+        raise OpError(p.ErrorCode.INVALID, f"{what} contains a NUL byte")
     return path
+
+
+async def blocking(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread of its own, so the agent goes on serving meanwhile.
+
+    Not a pool: a call the guest makes hang for ever (a sync stuck on a dead FUSE mount) must
+    not take a worker thread that the next platform duty would need."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, daemon=True, name=getattr(fn, "__name__", "blocking")).start()
+    return await done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import stat
@@ -13,6 +14,10 @@ from .common import Json, OpError, os_error, path_arg
 
 if TYPE_CHECKING:
     from .agent import Connection
+
+LIST_LIMIT = 1000  # entries of a listing unless asked otherwise
+MAX_LIST_LIMIT = 10_000
+LIST_BYTES = p.MAX_JSON - 1024  # a listing's entries fit one reply
 
 
 def stat_entry(path: str, name: str | None = None) -> Json:
@@ -127,16 +132,35 @@ async def write_file(conn: Connection, channel: int, req: Json) -> Json:
 
 
 async def list_dir(conn: Connection, channel: int, req: Json) -> Json:
+    """At most `limit` entries, in name order, as many as fit a reply; `truncated` says there
+    were more (which ones were left out is then unspecified)."""
     path = path_arg(req)
+    limit = req.get("limit", LIST_LIMIT)
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIST_LIMIT:
+        raise OpError(p.ErrorCode.INVALID, f"'limit' must be 1-{MAX_LIST_LIMIT}")
+    names: list[str] = []
+    truncated = False
     try:
-        names = sorted(os.listdir(path))
+        with os.scandir(path) as found:
+            for found_entry in found:
+                if len(names) == limit:
+                    truncated = True
+                    break
+                names.append(found_entry.name)
     except OSError as e:
         raise os_error(e, path) from None
-    entries = []
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):  # removed while we looked
-            entries.append(stat_entry(os.path.join(path, name), name))
-    return {"entries": entries}
+    entries, size = [], 0
+    for name in sorted(names):
+        try:
+            entry = stat_entry(os.path.join(path, name), name)
+        except FileNotFoundError:  # removed while we looked
+            continue
+        size += len(json.dumps(entry, separators=(",", ":"))) + 1
+        if size > LIST_BYTES:
+            truncated = True
+            break
+        entries.append(entry)
+    return {"entries": entries, "truncated": truncated}
 
 
 async def stat_path(conn: Connection, channel: int, req: Json) -> Json:

@@ -144,6 +144,8 @@ class ExecOp:
         self.master: int | None = None
         self.pid = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        self.max_output: int | None = None  # bytes per stream; past it the process is killed
+        self.truncated = False
 
     def _argv(self) -> list[str]:
         if "cmd" in self.req:
@@ -287,6 +289,7 @@ class ExecOp:
 
     async def _pump(self, fd: int, ftype: p.FrameType) -> None:
         os.set_blocking(fd, False)
+        room = self.max_output
         try:
             while True:
                 try:
@@ -300,7 +303,16 @@ class ExecOp:
                     return
                 if not data:
                     return
-                await self.conn.send(ftype, self.channel, data)
+                if room is not None:
+                    if len(data) > room:
+                        # Cut off at the cap (what it writes meanwhile is read and dropped).
+                        data = data[:room]
+                        if not self.truncated:
+                            self.truncated = True
+                            self.signal(signal.SIGKILL)
+                    room -= len(data)
+                if data:
+                    await self.conn.send(ftype, self.channel, data)
         finally:
             os.close(fd)
 
@@ -308,6 +320,12 @@ class ExecOp:
         timeout = self.req.get("timeout")
         if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
             raise OpError(p.ErrorCode.INVALID, "'timeout' must be a positive number of seconds")
+        max_output = self.req.get("max_output")
+        if max_output is not None and (
+            not isinstance(max_output, int) or isinstance(max_output, bool) or max_output < 0
+        ):
+            raise OpError(p.ErrorCode.INVALID, "'max_output' must be a number of bytes")
+        self.max_output = max_output
         started = time.monotonic()
         pumps = self._spawn()
         exit_status = self.agent.reaper.watch(self.pid)
@@ -332,6 +350,7 @@ class ExecOp:
             "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
             "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
             "timed_out": timed_out,
+            "truncated": self.truncated,
             "duration_ms": round((time.monotonic() - started) * 1000, 3),
         }
         return result

@@ -8,13 +8,57 @@ Everything on it is a frame:
 The host opens a channel by sending a REQUEST (a JSON object with an "op") on a channel id it
 has not used on this connection; data for that operation then flows as STDIN/STDOUT/STDERR/DATA
 frames on the same channel, END marks the end of one direction's data, and the agent closes the
-channel with one REPLY (JSON: the result, or {"error": {"code", "message"}}).
+channel with one REPLY (JSON: the result, or {"error": {"code", "message"}}, `code` one of
+ErrorCode).
 
 A connection starts with HELLO (the per-sandbox token and a nonce) and the agent's WELCOME
 echoing the nonce. A VM snapshot can cut a frame in half, and a half frame's length would make a
 decoder swallow whatever follows; so the host does not decode until it has found the exact bytes
 of the WELCOME for its nonce (`welcome_frame`), and the agent starts a fresh decoder for every
-connection. The magic lets a decoder skip stray bytes between frames.
+connection. The magic lets the agent's decoder skip stray bytes between frames; the host's is
+strict from the WELCOME on (the stream is in step there), and drops a connection that breaks it.
+
+Limits. No frame is longer than MAX_PAYLOAD, no REPLY or EVENT longer than MAX_JSON: the agent
+never sends one (a result too large becomes an "internal" error), and the host refuses one (it
+drops the connection, never buffering the rest). The guest belongs to the tenant, who may have
+taken its agent over: the host holds it to these limits rather than trusting it to keep them.
+
+Operations ("op", then the request's fields; → the REPLY; ⇄ what flows on the channel):
+
+  ping, info                         → {} | {kernel, hostname, boot_id, time_ns, uptime_s, ...}
+  exec {argv | cmd, env?, cwd?, user?, timeout?, stdin?, pty?, rows?, cols?, max_output?}
+      ⇄ EVENT {pid} first; STDOUT/STDERR out, STDIN/END in, CONTROL {signal} | {resize}
+      → {exit_code, signal, timed_out, truncated, duration_ms}. With max_output, the process is
+        killed once a stream passed that many bytes, which is where that stream is cut.
+  read_file {path}                   ⇄ EVENT {size}, DATA…, END → {size}
+  write_file {path, mode?, make_parents?}  ⇄ EVENT {ready}, DATA… END in → {size} (atomic)
+  list_dir {path, limit? (1-10000, 1000)}  → {entries, truncated}: in name order, at most
+        `limit` and as many as fit MAX_JSON
+  stat, remove {recursive?}, mkdir {parents?, mode?} {path}  → an entry | {}
+  identity {time_ns?, entropy?, hostname?, token?}, shutdown   (inside a VM only)
+
+Platform duties: the worker's own work in the guest, built into the agent and done with system
+calls (never a program of the guest's, which the tenant may have replaced; see `storage`,
+`trust`, `tcp`). All but sync and tcp_connect only work inside a VM.
+
+  sync {paths?}                      → {}: sync(2); with `paths`, syncfs(2) of each one's file
+        system (a directory, not followed if a link)
+  mount_volumes {volumes: [{serial, target, read_only}]}  → {mounted: [{serial, target,
+        device, read_only}]}: the virtio disk with that serial, ext4, "rw" or ro+"noload"; a disk
+        of size 0 (an empty slot at snapshot time) is re-probed first; stops at the first error
+  unmount {targets}                  → {unmounted: [...], failed: {target: {code, message}}}:
+        syncfs then umount2 (no link followed), every mount stacked on the target
+  grow_root_fs {min_size?}           → {disk_bytes, block_size, fs_bytes_before, fs_bytes}:
+        EXT4_IOC_RESIZE_FS of / to its disk's size, once the disk is at least min_size bytes
+  seal_root_fs {trim? (true)}         → {trimmed_bytes, read_only}: FITRIM of / (best effort),
+        syncfs, remount / read-only (best effort: false if something holds a file open), sync
+  install_ca {pem}                   → {ca, bundle, bundle_size, system_bundle}:
+        /etc/space/ca.pem and ca-bundle.pem (the system bundle, then the CA), atomic, root 0644
+  tcp_connect {port, host? (127.0.0.1; an address of the guest), timeout?}
+      ⇄ EVENT {connected} first; DATA both ways, END half-closes a direction; EVENT {ack: n}
+        from the agent and CONTROL {ack: n} from the host return window (TCP_WINDOW bytes in
+        flight each way at most); CONTROL {close: true} aborts
+      → {sent, received, reset, closed} once both directions ended
 """
 
 from __future__ import annotations
@@ -28,9 +72,11 @@ from typing import Any
 MAGIC = b"SP"
 HEADER = struct.Struct("!2sBBII")
 HEADER_SIZE = HEADER.size
-MAX_PAYLOAD = 1 << 20
+MAX_PAYLOAD = 1 << 20  # no frame is larger; a host refuses one whose header says more
+MAX_JSON = 256 * 1024  # no REPLY or EVENT is larger
 CHUNK_SIZE = 256 * 1024
-PROTOCOL_VERSION = 1
+TCP_WINDOW = 1 << 20  # bytes of a tcp_connect channel in flight in either direction
+PROTOCOL_VERSION = 2
 AGENT_PORT_NAME = "space.agent"  # virtio-serial port name the agent looks for
 AGENT_VSOCK_PORT = 1024
 
@@ -59,6 +105,9 @@ class ErrorCode(enum.StrEnum):
     INVALID = "invalid"
     UNAUTHENTICATED = "unauthenticated"
     NO_SPACE = "no_space"
+    BUSY = "busy"
+    CONNECTION_REFUSED = "connection_refused"
+    TIMEOUT = "timeout"
     INTERNAL = "internal"
 
 
@@ -79,8 +128,8 @@ def encode_json(ftype: FrameType, channel: int, obj: Any) -> bytes:
 def decode_json(payload: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"invalid JSON payload: {e}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
+        raise ProtocolError(f"invalid JSON payload: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("JSON payload is not an object")
     return obj
@@ -99,10 +148,16 @@ def welcome_frame(nonce: str, accepted: bool) -> bytes:
 
 
 class FrameDecoder:
-    """Incremental decoder: feed bytes, get whole frames; skips garbage up to the next magic."""
+    """Incremental decoder: feed bytes, get whole frames; skips garbage up to the next magic.
 
-    def __init__(self) -> None:
+    `strict` (the host, once it has found its WELCOME: the stream is in step from there on)
+    raises ProtocolError instead of skipping, so a bad header is never waited out; no frame
+    longer than `max_payload` is ever buffered either way."""
+
+    def __init__(self, *, strict: bool = False, max_payload: int = MAX_PAYLOAD) -> None:
         self._buf = bytearray()
+        self._strict = strict
+        self._max_payload = max_payload
         self.skipped = 0  # bytes discarded while resynchronising
 
     def feed(self, data: bytes) -> Iterator[tuple[FrameType, int, bytes]]:
@@ -111,10 +166,16 @@ class FrameDecoder:
             if len(self._buf) < HEADER_SIZE:
                 return
             if self._buf[:2] != MAGIC or self._buf[2] not in _VALID_TYPES:
+                if self._strict:
+                    raise ProtocolError(f"not a frame header: {bytes(self._buf[:HEADER_SIZE])!r}")
                 self._resync()
                 continue
             _, ftype, _flags, channel, length = HEADER.unpack_from(self._buf)
-            if length > MAX_PAYLOAD:
+            if length > self._max_payload:
+                if self._strict:
+                    raise ProtocolError(
+                        f"a frame of {length} bytes, more than the {self._max_payload} allowed"
+                    )
                 self._resync()
                 continue
             end = HEADER_SIZE + length

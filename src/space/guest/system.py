@@ -31,12 +31,35 @@ GUEST_IP, GUEST_NETMASK, GATEWAY_IP = "10.0.2.2", "255.255.255.252", "10.0.2.1"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), what)
+
+
+def mount(source: str, target: str, fstype: str, flags: int = 0, data: str = "") -> None:
+    """mount(2); raises OSError."""
+    args = (source.encode(), target.encode(), fstype.encode(), flags, data.encode())
+    _check(_libc.mount(*args), target)
+
+
+def umount2(target: str, flags: int = 0) -> None:
+    """umount2(2); raises OSError."""
+    _check(_libc.umount2(target.encode(), flags), target)
+
+
+def syncfs(fd: int) -> None:
+    """syncfs(2): flush the one file system `fd` is on; raises OSError."""
+    _check(_libc.syncfs(fd), f"fd {fd}")
+
+
 def _mount(source: str, target: str, fstype: str, options: str = "") -> None:
     os.makedirs(target, exist_ok=True)
-    if _libc.mount(source.encode(), target.encode(), fstype.encode(), 0, options.encode()) != 0:
-        err = ctypes.get_errno()
-        if err != errno.EBUSY:
-            log(f"mount {fstype} on {target}: {os.strerror(err)}")
+    try:
+        mount(source, target, fstype, 0, options)
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            log(f"mount {fstype} on {target}: {e.strerror}")
 
 
 def kernel_args() -> dict[str, str]:

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from space.worker.sandboxes import VMManager
 from space.worker.templates import (
     BuildEnv,
     BuildLog,
@@ -27,7 +28,6 @@ from space.worker.templates import (
     build_template,
     parse_spec,
 )
-from space.worker.vms import VMManager
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class Build:
     id: str
     name: str
     log: BuildLog
+    request_id: str = ""
     state: str = "building"  # building | ready | failed
     error: str | None = None
     record: TemplateRecord | None = None
@@ -66,7 +67,12 @@ class Builds:
                             manager.pool.root, egress=manager.egress)  # fmt: skip
         self._builds: dict[str, Build] = {}
 
-    def start(self, name: str, spec: str, context: bytes, environ: dict[str, str]) -> Build:
+    def start(
+        self, name: str, spec: str, context: bytes, environ: dict[str, str], request_id: str = ""
+    ) -> Build:
+        for b in self._builds.values():
+            if request_id and b.request_id == request_id and b.name == name:
+                return b  # asked for again (the controller retried): the same build
         if any(b.name == name and b.state == "building" for b in self._builds.values()):
             raise BuildRefused(f"a build of template {name} is under way")
         workdir = Path(tempfile.mkdtemp(prefix="space-build-"))
@@ -79,7 +85,7 @@ class Builds:
         if parsed.name != name:
             shutil.rmtree(workdir, ignore_errors=True)
             raise BuildRefused(f"the spec builds template {parsed.name!r}, not {name!r}")
-        build = Build(f"b-{uuid.uuid4().hex[:12]}", name, BuildLog())
+        build = Build(f"b-{uuid.uuid4().hex[:12]}", name, BuildLog(), request_id=request_id)
 
         async def run() -> None:
             try:

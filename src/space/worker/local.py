@@ -1,6 +1,7 @@
-"""This host's VM runtime, assembled with the defaults: pool, images, QEMU with the right accel.
+"""This host's VM runtime, assembled from the worker's settings: pool, images, and the VMM
+driver they name (QEMU with the right acceleration, or Firecracker).
 
-Used by the debug CLI, the tests and the benchmarks; the worker service builds on it.
+Used by the worker service, the debug CLI, the tests and the benchmarks.
 """
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from space.settings import WorkerSettings
 from space.worker.images.debs import Log, log_to_logging
 from space.worker.images.defaults import default_images
 from space.worker.machine import BootImages
 from space.worker.storage.pool import Pool, ensure_pool
 from space.worker.vmm.accel import choose_accel
+from space.worker.vmm.base import Driver
 from space.worker.vmm.qemu import QemuDriver
 
 
@@ -20,11 +23,25 @@ from space.worker.vmm.qemu import QemuDriver
 class LocalRuntime:
     pool: Pool
     images: BootImages
-    driver: QemuDriver
+    driver: Driver
 
 
-async def local_runtime(log: Log = log_to_logging) -> LocalRuntime:
-    pool = await asyncio.to_thread(ensure_pool)
+async def local_runtime(
+    settings: WorkerSettings | None = None, log: Log = log_to_logging
+) -> LocalRuntime:
+    s = settings or WorkerSettings()
+    pool = await asyncio.to_thread(ensure_pool, size_gib=s.pool_image_gib, directory=s.pool_dir)
     images, kernel = await asyncio.to_thread(default_images, pool, log)
-    accel = await asyncio.to_thread(choose_accel, kernel.vmlinux, kernel.initrd, kernel.key)
-    return LocalRuntime(pool=pool, images=images, driver=QemuDriver(accel=accel))
+    driver: Driver
+    if s.driver == "firecracker":
+        from space.worker.vmm.firecracker import FirecrackerDriver
+
+        # Firecracker needs KVM; it opens its tap by name, so it runs without a NIC unless
+        # a jailer puts it in the sandbox's network namespace.
+        driver = FirecrackerDriver()
+    else:
+        accel = await asyncio.to_thread(
+            choose_accel, kernel.vmlinux, kernel.initrd, kernel.key, s.accel
+        )
+        driver = QemuDriver(accel=accel, guest_aslr=s.guest_aslr)
+    return LocalRuntime(pool=pool, images=images, driver=driver)

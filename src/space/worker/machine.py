@@ -14,10 +14,11 @@ import secrets
 import shutil
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from space.worker.agent_client import AgentClient, AgentConnectionLost
+from space.worker.agent_client import AgentClient, AgentConnectionLost, AgentError
 from space.worker.storage.pool import Pool
 from space.worker.storage.reflink import clone_file
 from space.worker.vmm.base import (
@@ -58,6 +59,10 @@ class Machine:
         self.vm = vm
         self.agent = agent
         self.timings = timings  # seconds per phase of how it came up
+        # Set by the worker's watch over its VMs: QEMU stopped the guest on an I/O error (a
+        # full pool), or the VMM did not answer in time.
+        self.io_error: str | None = None
+        self.unresponsive = False
 
     @property
     def id(self) -> str:
@@ -98,31 +103,89 @@ class Machine:
         try:
             disk = run_dir / DISK
             await asyncio.to_thread(clone_file, images.rootfs, disk)
-            config = VMConfig(
-                vm_id=vm_id,
-                kernel=images.kernel,
-                initrd=images.initrd,
-                rootfs=disk,
-                vcpus=vcpus,
-                memory_mib=memory_mib,
-                hostname=hostname or f"sb-{vm_id}",
-                agent_token=new_token(),
-                drives=drives,
-                tap_fd=tap_fd,
-                nic=tap_fd is not None,
-                guest_mac=guest_mac,
-            )
-            t1 = time.perf_counter()
-            vm = await driver.boot(config, run_dir)
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
+        try:
+            return await cls._boot_on(
+                driver, images, run_dir, vm_id=vm_id, vcpus=vcpus, memory_mib=memory_mib,
+                hostname=hostname, boot_timeout=boot_timeout, drives=drives, tap_fd=tap_fd,
+                guest_mac=guest_mac, t0=t0,
+            )  # fmt: skip
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+
+    @classmethod
+    async def reboot(
+        cls,
+        driver: Driver,
+        images: BootImages,
+        run_dir: Path,
+        *,
+        vm_id: str,
+        vcpus: int,
+        memory_mib: int,
+        hostname: str,
+        drives: tuple[Drive, ...],
+        tap_fd: int | None,
+        guest_mac: str | None,
+        keep: Iterable[str] = (),
+        boot_timeout: float = 90.0,
+    ) -> Machine:
+        """Boot a VM again on the disk its VMM left in `run_dir` (the VMM died): files are
+        kept, processes are not. The run directory and its disk stay whatever happens; of the
+        other files in it, those named in `keep` stay too."""
+        kept = {DISK, *keep}
+        for leftover in run_dir.iterdir():
+            if leftover.name not in kept and leftover.is_file():
+                leftover.unlink(missing_ok=True)  # sockets, logs, vm.json of the dead VMM
+        return await cls._boot_on(
+            driver, images, run_dir, vm_id=vm_id, vcpus=vcpus, memory_mib=memory_mib,
+            hostname=hostname, boot_timeout=boot_timeout, drives=drives, tap_fd=tap_fd,
+            guest_mac=guest_mac, t0=time.perf_counter(), keep_on_failure=True,
+        )  # fmt: skip
+
+    @classmethod
+    async def _boot_on(
+        cls,
+        driver: Driver,
+        images: BootImages,
+        run_dir: Path,
+        *,
+        vm_id: str,
+        vcpus: int,
+        memory_mib: int,
+        hostname: str | None,
+        boot_timeout: float,
+        drives: tuple[Drive, ...],
+        tap_fd: int | None,
+        guest_mac: str | None,
+        t0: float,
+        keep_on_failure: bool = False,
+    ) -> Machine:
+        config = VMConfig(
+            vm_id=vm_id,
+            kernel=images.kernel,
+            initrd=images.initrd,
+            rootfs=run_dir / DISK,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            hostname=hostname or f"sb-{vm_id}",
+            agent_token=new_token(),
+            drives=drives,
+            tap_fd=tap_fd,
+            nic=tap_fd is not None,
+            guest_mac=guest_mac,
+        )
+        t1 = time.perf_counter()
+        vm = await driver.boot(config, run_dir)
         t2 = time.perf_counter()
-        agent = await _connect_agent(vm, config.agent_token, boot_timeout)
+        agent = await _connect_agent(vm, config.agent_token, boot_timeout, keep_on_failure)
         machine = cls(vm, agent, {"disk": t1 - t0, "vmm": t2 - t1})
         # The boot token sits in /proc/cmdline for every guest process to read; replace it
         # before any of them runs.
-        await machine._first_identity(None)
+        await machine._first_identity(None, keep_on_failure)
         machine.timings["agent"] = time.perf_counter() - t2
         return machine
 
@@ -139,12 +202,16 @@ class Machine:
         vms_dir: Path | None = None,
         drives: tuple[Drive, ...] | None = None,
         tap_fd: int | None = None,
+        before_start: Callable[[Path], Awaitable[None]] | None = None,
     ) -> Machine:
         """Start a VM from a snapshot and give it an identity of its own.
 
         Restoring with the snapshot's own id and hostname wakes that VM up again (a suspended
         sandbox); other ids make clones. `drives` puts other files in the snapshot's extra
         drives (as many as it has); the guest sees them once it probes those devices again.
+        `before_start(run_dir)` runs once the state is loaded and before the guest runs: a
+        caller retires the snapshot there, so that a running guest and a snapshot it has
+        outgrown never both look current.
         """
         t0 = time.perf_counter()
         vm_id = vm_id or new_vm_id()
@@ -156,10 +223,17 @@ class Machine:
             if drives is not None:
                 config = config.with_changes(drives=drives)
             t1 = time.perf_counter()
-            vm = await driver.restore(snapshot, config, run_dir)
+            vm = await driver.restore(snapshot, config, run_dir, paused=before_start is not None)
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
+        if before_start is not None:
+            try:
+                await before_start(run_dir)
+                await vm.resume()
+            except BaseException:
+                await _discard(vm)
+                raise
         t2 = time.perf_counter()
         # The snapshot's token opens the first connection; a fresh one replaces it at once, so
         # no two restores of one snapshot share a token, a hostname or an RNG state.
@@ -169,11 +243,12 @@ class Machine:
         machine.timings["agent"] = time.perf_counter() - t2
         return machine
 
-    async def _first_identity(self, hostname: str | None) -> None:
+    async def _first_identity(self, hostname: str | None, keep_disk: bool = False) -> None:
         try:
             await self.renew_identity(hostname)
         except BaseException:
-            await self.close()
+            await self.agent.close()
+            await _discard(self.vm, keep_disk)
             raise
 
     async def renew_identity(self, hostname: str | None = None) -> None:
@@ -206,9 +281,10 @@ class Machine:
         if size == current:
             return
         await self.vm.resize_disk(size)
-        r = await self.agent.run(["resize2fs", "/dev/vda"], timeout=120)
-        if r.exit_code != 0:
-            raise ValueError(f"resize2fs failed: {r.stderr.decode(errors='replace').strip()}")
+        try:
+            await self.agent.grow_root_fs(min_size=size)
+        except AgentError as e:
+            raise ValueError(f"growing the root file system failed: {e}") from None
 
     def status(self) -> VMStatus:
         return self.vm.status()
@@ -225,8 +301,11 @@ class Machine:
         A paused guest cannot run `sync`, and needs none: its unwritten pages are in the memory
         image, and the disk is saved as it was at the moment it paused.
         """
-        if self.agent.connected and self.status().state == VMState.RUNNING:
-            await self.agent.run(["sync"], timeout=30)
+        running = self.status().state == VMState.RUNNING and self.io_error is None
+        if self.agent.connected and running:
+            # The agent's own sync(2), within its deadline: a guest that hangs must not hold the
+            # snapshot (and the sandbox's lock) for longer.
+            await self.agent.sync()
         return await self.vm.snapshot(dest)
 
     async def detach(self) -> None:
@@ -255,11 +334,13 @@ def _make_run_dir(vms_dir: Path, vm_id: str) -> Path:
     return run_dir
 
 
-async def _connect_agent(vm: VM, token: str, timeout: float) -> AgentClient:
+async def _connect_agent(
+    vm: VM, token: str, timeout: float, keep_disk: bool = False
+) -> AgentClient:
     try:
         return await _wait_agent(vm, token, timeout)
     except BaseException:
-        await _discard(vm)
+        await _discard(vm, keep_disk)
         raise
 
 
@@ -281,7 +362,10 @@ async def _wait_agent(vm: VM, token: str, timeout: float) -> AgentClient:
     raise VMGone(f"VM {vm.id} died before its agent answered: {status.reason}\n{tail}")
 
 
-async def _discard(vm: VM) -> None:
+async def _discard(vm: VM, keep_disk: bool = False) -> None:
+    """End the VMM and remove its run directory; with `keep_disk`, only the VMM's own files."""
     with contextlib.suppress(AgentConnectionLost):
         await vm.close()
+    if keep_disk:
+        return  # the VM's close removed its sockets and logs; the disk is the sandbox's
     shutil.rmtree(vm.run_dir, ignore_errors=True)

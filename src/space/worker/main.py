@@ -1,20 +1,32 @@
-"""The worker process (`space worker`): adopt this host's VMs, register, heartbeat, serve."""
+"""The worker process (`space worker`): adopt this host's VMs, keep its gateway up, register,
+heartbeat, serve."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
+from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
+from space import crashpoints
 from space.db import migrate
 from space.db.store import Store, connect
-from space.worker import netsetup
-from space.worker.local import LocalRuntime, local_runtime
-from space.worker.network import Egress
-from space.worker.service import serve
-from space.worker.vms import VMManager, meminfo_mib
+from space.identity import IdentityError, TLSFiles, WorkerIdentity
+from space.metrics_server import serve_metrics
+from space.settings import Settings, WorkerSettings
+from space.worker import ksm, netsetup
+from space.worker.api.server import serve
+from space.worker.fence import Fence
+from space.worker.local import local_runtime
+from space.worker.metrics import SandboxCollector
+from space.worker.network.supervisor import GatewaySupervisor
+from space.worker.sandboxes import ManagerOptions, VMManager
+from space.worker.sandboxes.capacity import meminfo_mib
+from space.worker.sandboxes.records import EPOCH_FILE
+from space.worker.sandboxes.recovery import Watch
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +44,30 @@ async def _heartbeat(store: Store, worker_id: str, instance: str) -> None:
             log.warning("heartbeat failed: %s", e)
 
 
+async def _identity(ws: WorkerSettings, directory: Path, worker_id: str) -> TLSFiles | None:
+    """Under mutual TLS, this worker's certificate: the one it keeps, or one it gets now for
+    its join token."""
+    if not ws.tls:
+        return None
+    identity = WorkerIdentity(directory, worker_id)
+    if identity.present():
+        return identity.files
+    try:
+        if ws.join_token_file is None or not ws.control_url:
+            raise OSError("no SPACE_WORKER_JOIN_TOKEN_FILE or SPACE_CONTROL_URL")
+        token = ws.join_token_file.read_text().strip()
+    except OSError as e:
+        raise SystemExit(
+            "SPACE_WORKER_TLS=1 and this worker has no certificate yet: it needs a join token "
+            f"(`space admin join-token {worker_id}`) in the file SPACE_WORKER_JOIN_TOKEN_FILE "
+            f"names and the API's address in SPACE_CONTROL_URL ({e})"
+        ) from None
+    try:
+        return await identity.join(ws.control_url, token)
+    except IdentityError as e:
+        raise SystemExit(str(e)) from None
+
+
 async def _listening(host: str, port: int, serving: asyncio.Future[None]) -> None:
     probe = "127.0.0.1" if host == "0.0.0.0" else host
     while not serving.done():
@@ -46,57 +82,87 @@ async def _listening(host: str, port: int, serving: asyncio.Future[None]) -> Non
 
 
 async def run(
-    database_url: str, secret: str, *, worker_id: str, host: str, port: int, url: str
+    settings: Settings, database_url: str, *, worker_id: str, host: str, port: int, url: str
 ) -> None:
-    runtime = await local_runtime()
-    egress, gateway = None, None
-    if netsetup.enabled():
-        egress, gateway = await netsetup.start_egress(
-            worker_id, runtime.pool.root / "workers" / worker_id
+    crashpoints.arm(settings.crash_at)
+    ws = settings.worker
+    if ws.driver == "firecracker" and ws.network:
+        raise SystemExit(
+            "the Firecracker driver opens its tap by name inside the sandbox's network "
+            "namespace, which needs its jailer (not wired into the worker yet): run it with "
+            "SPACE_WORKER_NETWORK=0"
         )
+    runtime = await local_runtime(ws)
+    if problem := ksm.configure(ws.ksm, ws.ksm_pages_to_scan, ws.ksm_sleep_ms):
+        log.warning("%s", problem)
+    egress, gateway = None, None
+    root = runtime.pool.root / "workers" / worker_id
+    if ws.network:
+        egress, gateway = await netsetup.start_egress(settings, worker_id, root)
     try:
-        await _serve(runtime, egress, database_url, secret, worker_id, host, port, url)
+        manager = VMManager(
+            runtime.driver, runtime.pool, runtime.images, worker_id,
+            ManagerOptions(capacity_vcpus=ws.vcpus or None,
+                           capacity_memory_mib=ws.memory_mib or None,
+                           vcpu_overcommit=ws.vcpu_overcommit, admit_memory=ws.admit_memory,
+                           reserve_mib=ws.reserve_mib, base_snapshots=ws.base_snapshots),
+            egress,
+        )  # fmt: skip
+        await manager.start()  # re-adopt before announcing ourselves, so recovery finds the VMs
+        supervisor = GatewaySupervisor(gateway, egress) if gateway and egress else None
+        try:
+            await _serve(settings, manager, supervisor, database_url, worker_id, host, port, url)
+        finally:
+            await manager.close(stop_vms=False)  # VMs outlive the process; the next adopts them
     finally:
         if gateway is not None:
             await gateway.stop()
 
 
 async def _serve(
-    runtime: LocalRuntime,
-    egress: Egress | None,
+    settings: Settings,
+    manager: VMManager,
+    supervisor: GatewaySupervisor | None,
     database_url: str,
-    secret: str,
     worker_id: str,
     host: str,
     port: int,
     url: str,
 ) -> None:
-    # An operator may promise more (or less) than the host's defaults.
-    manager = VMManager(
-        runtime,
-        worker_id,
-        capacity_vcpus=int(os.environ.get("SPACE_WORKER_VCPUS", "0")) or None,
-        capacity_memory_mib=int(os.environ.get("SPACE_WORKER_MEMORY_MIB", "0")) or None,
-        base_snapshots=os.environ.get("SPACE_WORKER_BASE_SNAPSHOTS", "1") != "0",
-        egress=egress,
-    )
-    await manager.start()  # re-adopt before announcing ourselves, so recovery finds the VMs
+    def problems() -> list[str]:
+        if supervisor is not None and not supervisor.up:
+            return [supervisor.problem or "the gateway is down"]
+        return []
+
+    registry = CollectorRegistry()
+    registry.register(SandboxCollector(manager, asyncio.get_running_loop()))
+    serve_metrics(settings.worker.metrics_address, settings.load_metrics_token(), registry)
     store = Store(connect(database_url, pool_size=2))
     await migrate.upgrade(store.engine)
     instance = secrets.token_hex(8)
-    serving = asyncio.ensure_future(serve(manager, secret, host, port))
+    fence = Fence(manager.root / EPOCH_FILE)
+    tls = await _identity(settings.worker, manager.root / "identity", worker_id)
+    serving = asyncio.ensure_future(
+        serve(manager, settings.load_worker_secret(), host, port, fence=fence,
+              problems=problems, instance=instance, tls=tls)
+    )  # fmt: skip
     # Announced only once it answers: a caller picking it at once must reach it.
     await _listening(host, port, serving)
+    # What it admits, as its own admission counts it (after its reserve): placement must not
+    # send what the worker would refuse.
+    cap = manager.capacity
     await store.register_worker(
-        worker_id, url, instance, manager.capacity_vcpus, manager.capacity_memory_mib
+        worker_id, url, instance, cap.vcpus, cap.memory_mib - cap.reserve_mib
     )
-    beating = asyncio.ensure_future(_heartbeat(store, worker_id, instance))
+    tasks = [serving, asyncio.ensure_future(_heartbeat(store, worker_id, instance)),
+             asyncio.ensure_future(Watch(manager).run())]  # fmt: skip
+    if supervisor is not None:
+        tasks.append(asyncio.ensure_future(supervisor.run()))
     try:
-        await asyncio.wait([beating, serving], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (beating, serving):
+        for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await manager.close(stop_vms=False)  # VMs outlive the process; the next one adopts them
         await store.close()

@@ -23,65 +23,67 @@ from typing import Any
 
 from pyroute2 import IPRoute  # type: ignore[import-untyped]
 
-from space import paths
 from space.gateway.process import GatewayProcess, GatewaySettings
+from space.networks import SANDBOX_RANGES
+from space.settings import Settings
 from space.worker.network import Egress, NetworkConfig, NetworkManager
 
 log = logging.getLogger(__name__)
 
 SETTINGS_FILE = "network.json"
 PID_FILE = "gateway.pid"
-# Sandbox ranges come from here, a /16 per worker (10.128.0.0 to 10.191.255.255).
-RANGES = ipaddress.IPv4Network("10.128.0.0/10")
 
 
-def enabled() -> bool:
-    """SPACE_WORKER_NETWORK=0 runs VMs without any NIC (no egress at all)."""
-    return os.environ.get("SPACE_WORKER_NETWORK", "1") != "0"
-
-
-async def start_egress(worker_id: str, worker_dir: Path) -> tuple[Egress, GatewayProcess]:
+async def start_egress(
+    settings: Settings, worker_id: str, worker_dir: Path
+) -> tuple[Egress, GatewayProcess]:
     """This worker's network manager and a running gateway (a stale one is stopped first)."""
     # pyroute2's synchronous calls run their own event loop: not on ours.
-    config = await asyncio.to_thread(_config, worker_id, worker_dir / SETTINGS_FILE)
-    state = paths.state_dir() / f"gateway-{worker_id}"
+    config = await asyncio.to_thread(
+        _config, worker_id, worker_dir / SETTINGS_FILE, settings.worker.net_range
+    )
+    state = settings.state_dir / f"gateway-{worker_id}"
     _stop_stale_gateway(state / PID_FILE)
-    settings = GatewaySettings(
+    gw = settings.worker.gateway
+    gateway_settings = GatewaySettings(
         state_dir=state,
         control_socket=Path("/run/space") / f"gateway-{worker_id}.sock",
-        upstream_dns=os.environ.get("SPACE_GATEWAY_UPSTREAM_DNS") or _system_resolver(),
+        upstream_dns=gw.upstream_dns or _system_resolver(),
         # CAs to verify origins by when the gateway terminates TLS (default: the system's).
-        upstream_ca=Path(ca) if (ca := os.environ.get("SPACE_GATEWAY_UPSTREAM_CA")) else None,
+        upstream_ca=gw.upstream_ca,
+        ca_dir=gw.ca_dir,
         proxy_port=config.proxy_port,
         dns_port=config.dns_port,
-        user=os.environ.get("SPACE_GATEWAY_USER", "nobody"),  # it drops root once set up
+        user=gw.user,  # it drops root once set up
         die_with=os.getpid(),  # however this worker ends, its gateway ends too
+        pid_file=state / PID_FILE,
+        open_networks=settings.egress_open_networks,
+        closed_networks=(str(SANDBOX_RANGES), config.host_range),
     )
-    settings.control_socket.parent.mkdir(parents=True, exist_ok=True)
-    gateway = GatewayProcess(settings)
+    gateway_settings.control_socket.parent.mkdir(parents=True, exist_ok=True)
+    gateway = GatewayProcess(gateway_settings)
     client = await gateway.start()
-    (state / PID_FILE).write_text(str(gateway.pid))
     return Egress(NetworkManager(config), client), gateway
 
 
-async def remove_networks(worker_id: str, worker_dir: Path) -> None:
+async def remove_networks(worker_id: str, worker_dir: Path, state_dir: Path) -> None:
     """Everything a worker's networking leaves on the host once its VMs are gone for good
     (a decommissioned worker, a test's): namespaces, links, its table, its gateway."""
-    _stop_stale_gateway(paths.state_dir() / f"gateway-{worker_id}" / PID_FILE)
+    _stop_stale_gateway(state_dir / f"gateway-{worker_id}" / PID_FILE)
     # Names come from the id alone, so this works even without the worker's saved settings.
-    manager = NetworkManager(_names(worker_id, {"host_range": str(RANGES), "proxy_port": 0,
+    manager = NetworkManager(_names(worker_id, {"host_range": str(SANDBOX_RANGES), "proxy_port": 0,
                                                 "dns_port": 0}))  # fmt: skip
     await manager.sweep()
     await manager.stop()
 
 
-def _config(worker_id: str, path: Path) -> NetworkConfig:
+def _config(worker_id: str, path: Path, net_range: str) -> NetworkConfig:
     tag = hashlib.sha256(worker_id.encode()).hexdigest()
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         saved = {
-            "host_range": os.environ.get("SPACE_WORKER_NET_RANGE") or _free_range(int(tag, 16)),
+            "host_range": net_range or _free_range(int(tag, 16)),
             "proxy_port": _free_port(),
             "dns_port": _free_port(),
         }
@@ -103,18 +105,18 @@ def _names(worker_id: str, saved: dict[str, Any]) -> NetworkConfig:
 
 
 def _free_range(start: int) -> str:
-    """A /16 of RANGES that no address or route of the host overlaps, tried from `start` on."""
+    """A /16 of SANDBOX_RANGES that no address or route of the host overlaps, from `start` on."""
     with IPRoute() as ipr:
         used = [
             ipaddress.ip_network(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}", strict=False)
             for a in ipr.get_addr(family=socket.AF_INET)
         ]
-    blocks = list(RANGES.subnets(new_prefix=16))
+    blocks = list(SANDBOX_RANGES.subnets(new_prefix=16))
     for i in range(len(blocks)):
         block = blocks[(start + i) % len(blocks)]
         if not any(block.overlaps(u) for u in used):
             return str(block)
-    raise RuntimeError(f"no free /16 left in {RANGES} for sandbox networks")
+    raise RuntimeError(f"no free /16 left in {SANDBOX_RANGES} for sandbox networks")
 
 
 def _free_port() -> int:

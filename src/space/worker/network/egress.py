@@ -5,6 +5,7 @@ await egress.start({id: policy for every live sandbox})   # worker start, gatewa
 net = await egress.attach(id, policy)     # before the VM starts; then QEMU on the tap fd
 await egress.set_policy(id, policy)       # while it runs
 await egress.detach(id)                   # after the VMM has exited
+await egress.reinstall()                  # after the gateway restarted (it kept nothing)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Egress:
         self.manager = manager
         self.gateway = gateway
         self._nets: dict[str, SandboxNetwork] = {}
+        self._policies: dict[str, Policy] = {}  # what each network has in force
 
     async def start(self, live: Mapping[str, Policy]) -> list[str]:
         """Load host rules, keep (or rebuild) the networks of `live` sandboxes and push their
@@ -36,7 +38,14 @@ class Egress:
                 rebuilt.append(sandbox_id)
             self._nets[sandbox_id] = net
             await self.gateway.set_policy(sandbox_id, net.sandbox_ip, policy)
+            self._policies[sandbox_id] = policy
         return rebuilt
+
+    async def reinstall(self) -> None:
+        """Every network's policy again, into a gateway that restarted with none."""
+        for sandbox_id, net in list(self._nets.items()):
+            policy = self._policies.get(sandbox_id, Policy())
+            await self.gateway.set_policy(sandbox_id, net.sandbox_ip, policy)
 
     async def attach(self, sandbox_id: str, policy: Policy) -> SandboxNetwork:
         """The sandbox's network with its policy in force; idempotent (a retried create or a
@@ -50,6 +59,7 @@ class Egress:
             await self.detach(sandbox_id)
             raise
         self._nets[sandbox_id] = net
+        self._policies[sandbox_id] = policy
         return net
 
     async def set_policy(self, sandbox_id: str, policy: Policy) -> None:
@@ -57,6 +67,7 @@ class Egress:
         if net is None:
             raise NetworkError(f"sandbox {sandbox_id} has no network on this worker")
         await self.gateway.set_policy(sandbox_id, net.sandbox_ip, policy)
+        self._policies[sandbox_id] = policy
 
     def network(self, sandbox_id: str) -> SandboxNetwork | None:
         return self._nets.get(sandbox_id)
@@ -64,6 +75,7 @@ class Egress:
     async def detach(self, sandbox_id: str) -> None:
         """Remove the policy first (nothing more gets out), then the network."""
         self._nets.pop(sandbox_id, None)
+        self._policies.pop(sandbox_id, None)
         try:
             await self.gateway.remove(sandbox_id)
         finally:

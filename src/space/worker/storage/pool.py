@@ -88,19 +88,25 @@ def _supports_reflink(directory: Path) -> bool:
 
 
 def ensure_pool(
-    root: Path | None = None, image: Path | None = None, size_gib: int | None = None
+    root: Path | None = None,
+    image: Path | None = None,
+    size_gib: int | None = None,
+    *,
+    directory: Path | None = None,
+    state_dir: Path | None = None,
 ) -> Pool:
-    """Find or make the pool. `SPACE_POOL_DIR` names an existing reflink-capable directory;
-    otherwise a sparse image of `SPACE_POOL_IMAGE_GIB` (default 64) GiB is made and mounted."""
+    """Find or make the pool: `directory` (SPACE_POOL_DIR) names an existing reflink-capable
+    directory; otherwise a sparse image of `size_gib` (SPACE_POOL_IMAGE_GIB, default 64) GiB is
+    made in the state directory and mounted."""
     if size_gib is None:
-        size_gib = int(os.environ.get("SPACE_POOL_IMAGE_GIB", DEFAULT_IMAGE_GIB))
-    configured = os.environ.get("SPACE_POOL_DIR")
-    if root is None and configured:
-        root = Path(configured)
+        size_gib = DEFAULT_IMAGE_GIB
+    if root is None and directory is not None:
+        root = directory
         root.mkdir(parents=True, exist_ok=True)
         return _checked(root)
-    root = root or paths.state_dir() / "pool"
-    image = image or paths.state_dir() / "pool.img"
+    state = state_dir or paths.state_dir()
+    root = root or state / "pool"
+    image = image or state / "pool.img"
     root.mkdir(parents=True, exist_ok=True)
     if _is_mountpoint(root):
         return _checked(root)

@@ -449,16 +449,12 @@ async def _in_build_vm(
 async def _settle_disk(m: Machine) -> None:
     """Leave the build disk whole, small and clean, then stop the VM.
 
-    fstrim returns freed blocks to the sparse image (discard reaches the file), and a read-only
-    remount leaves an ext4 that needs no journal replay; both are best effort (the image may
-    lack the tools), `sync` is what matters, and QEMU flushes the disk as it quits.
+    The agent trims the free blocks back to the sparse image, flushes, and remounts read-only
+    so the ext4 needs no journal replay (its own calls: the image's tools may be anything);
+    the flush is what matters, and QEMU flushes the disk as it quits.
     """
     with contextlib.suppress(AgentError):
-        await m.agent.run(
-            "fstrim / >/dev/null 2>&1; sync; mount -o remount,ro / >/dev/null 2>&1; sync",
-            cwd="/",
-            timeout=300,
-        )
+        await m.agent.seal_root_fs()
     await m.vm.stop(timeout=SHUTDOWN_TIMEOUT)
 
 

@@ -64,9 +64,8 @@ def probe_kvm(kernel: Path, initrd: Path, qemu: str = "qemu-system-x86_64") -> t
             proc.wait()
 
 
-def choose_accel(kernel: Path, initrd: Path, kernel_key: str) -> str:
-    """ "kvm" or "tcg"; `SPACE_ACCEL` forces one."""
-    forced = os.environ.get("SPACE_ACCEL", "auto")
+def choose_accel(kernel: Path, initrd: Path, kernel_key: str, forced: str = "auto") -> str:
+    """ "kvm" or "tcg"; `forced` (SPACE_ACCEL) picks one without a probe."""
     if forced in ("kvm", "tcg"):
         return forced
     key = f"{os.uname().release}/{kernel_key}"

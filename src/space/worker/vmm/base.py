@@ -142,6 +142,8 @@ class SnapshotInfo:
     config: VMConfig
     files: dict[str, str] = field(default_factory=dict)  # role -> file name inside `path`
     took_s: float = 0.0
+    # How long the guest was stopped for it: all of `took_s`, unless it was taken live.
+    downtime_s: float = 0.0
 
     def size_bytes(self) -> int:
         """Bytes actually allocated on disk (sparse files and zero pages count as nothing)."""
@@ -153,6 +155,7 @@ class SnapshotInfo:
             "config": self.config.to_json(),
             "files": self.files,
             "took_s": self.took_s,
+            "downtime_s": self.downtime_s,
         }
         tmp = self.path / (SNAPSHOT_MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=2))
@@ -172,6 +175,7 @@ class SnapshotInfo:
             config=VMConfig.from_json(manifest["config"]),
             files=manifest["files"],
             took_s=manifest.get("took_s", 0.0),
+            downtime_s=manifest.get("downtime_s", 0.0),
         )
 
 
@@ -199,6 +203,12 @@ class VM(abc.ABC):
     async def snapshot(self, dest: Path) -> SnapshotInfo:
         """Save memory, device state and the disk into `dest`. The VM is left paused."""
 
+    async def snapshot_live(self, dest: Path) -> SnapshotInfo:
+        """A snapshot like `snapshot`'s, copying memory while the guest runs on and stopping it
+        only for the last of it, where the VMM can (`downtime_s` says how long). The VM is left
+        paused. Drivers that cannot pause first."""
+        return await self.snapshot(dest)
+
     @abc.abstractmethod
     async def stop(self, timeout: float = 5.0) -> VMStatus:
         """End the VM (gracefully where the VMM allows, else by force) and release everything."""
@@ -225,6 +235,10 @@ class VM(abc.ABC):
     async def detach(self) -> None:
         """Let go of the VM, leaving it running for another process to adopt."""
         raise VMMError(f"{type(self).__name__} cannot hand its VM over")
+
+    async def continue_after_io_error(self) -> None:
+        """Run a guest the VMM stopped on a write error (e.g. a full disk) again."""
+        raise VMMError(f"{type(self).__name__} cannot continue after an I/O error")
 
     async def resize_disk(self, size_bytes: int) -> None:
         """Grow the root disk while the VM runs; the guest sees the new size at once."""
@@ -258,9 +272,23 @@ class Driver(abc.ABC):
         """Cold-boot `config`; returns once the VMM process is up (not the guest)."""
 
     @abc.abstractmethod
-    async def restore(self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path) -> VM:
+    async def restore(
+        self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path, *, paused: bool = False
+    ) -> VM:
         """Start a VM from `snapshot`, with `config.rootfs` already a copy of the snapshot's disk.
 
         `config` must match the snapshot's machine (vCPUs, memory, devices); only the identity
-        (`vm_id`, `rootfs`, network device) may differ.
+        (`vm_id`, `rootfs`, network device) may differ. With `paused` the guest is loaded but
+        its vCPUs wait for `resume()`, so the caller can retire the snapshot before the guest
+        makes it stale.
         """
+
+    async def adopt(self, run_dir: Path) -> VM:
+        """Take over a VM a previous worker process started, found by its run directory."""
+        raise VMMError(f"the {self.name} driver cannot adopt VMs another process started")
+
+    async def probe(self, vm: VM, timeout: float) -> str:
+        """The VMM's own word on the guest within `timeout` ("running", "paused", "io-error",
+        …); TimeoutError if it does not answer."""
+        state = vm.status().state
+        return "running" if state in (VMState.RUNNING, VMState.STARTING) else str(state)

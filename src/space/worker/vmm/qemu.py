@@ -51,7 +51,15 @@ DRIVE_ID = "drive"  # extra drives are drive0, drive1, …
 STATE_FD = 3
 TAP_FD = 4
 SOCKET_WAIT_S = 10.0
+QMP_TIMEOUT_S = 10.0
+SNAPSHOT_TIMEOUT_S = 120.0
+# QEMU's monitor answers only between chunks of an incoming state it loads: a large state,
+# several at once on a busy host, keeps it silent for longer than QMP_TIMEOUT_S.
+LOAD_TIMEOUT_S = 60.0
+CONFIG_FILE = "qemu.cfg"  # the kernel command line: it holds the agent's boot token
 MIGRATE_BANDWIDTH = 8 << 30  # bytes/s; QEMU's default (32 MiB/s) would make snapshots crawl
+LIVE_DOWNTIME_MS = 50  # the longest stop a live snapshot aims for at its end
+LIVE_PRECOPY_S = 20.0  # then a guest that keeps dirtying memory is paused for the rest
 
 
 class QemuVM(VM):
@@ -133,18 +141,25 @@ class QemuVM(VM):
                 raise VMMError(f"QEMU did not open its QMP socket within {SOCKET_WAIT_S}s")
             await asyncio.sleep(0.005)
 
-    async def _execute(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
+    async def _execute(
+        self, cmd: str, args: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT_S
+    ) -> Any:
+        """One QMP command; a VMM that does not answer within `timeout` (frozen, stopped by a
+        signal) raises TimeoutError rather than holding the caller."""
         self._check_alive()
         if self._qmp is None:
             raise VMMError(f"VM {self.id}: no QMP connection")
         try:
-            return await self._qmp.execute(cmd, args)
+            return await asyncio.wait_for(self._qmp.execute(cmd, args), timeout)
+        except TimeoutError:
+            raise
         except Exception as e:
             self._check_alive()
             raise VMMError(f"QMP {cmd} failed: {e}") from e
 
-    async def query_status(self) -> str:
-        result = await self._execute("query-status")
+    async def query_status(self, timeout: float = QMP_TIMEOUT_S) -> str:
+        """QEMU's run state: running, paused, io-error (stopped on a write error), …"""
+        result = await self._execute("query-status", timeout=timeout)
         return str(result["status"])
 
     # --- the VM interface ---------------------------------------------------------------------
@@ -191,33 +206,75 @@ class QemuVM(VM):
         await self._execute("cont")
         self._state = VMState.RUNNING
 
+    async def continue_after_io_error(self) -> None:
+        # QEMU stopped the vCPUs itself (werror=enospc); our own state still says running.
+        await self._execute("cont")
+
     async def resize_disk(self, size_bytes: int) -> None:
         await self._execute("block_resize", {"device": "root", "size": size_bytes})
 
     async def snapshot(self, dest: Path) -> SnapshotInfo:
+        return await self._save(dest, live=False)
+
+    async def snapshot_live(self, dest: Path) -> SnapshotInfo:
+        return await self._save(dest, live=True)
+
+    async def _save(self, dest: Path, live: bool) -> SnapshotInfo:
+        """QEMU's migration stream into a file, then a clone of the disk. Live, the guest runs
+        while its memory is copied (QEMU stops it for the pages it dirtied last, within
+        LIVE_DOWNTIME_MS); a guest that dirties memory faster than it is copied is slowed down,
+        and paused after LIVE_PRECOPY_S for the rest to be copied then."""
         started = time.perf_counter()
-        await self.pause()
+        if not live:
+            await self.pause()
         dest.mkdir(parents=True, exist_ok=True)
         state = dest / STATE_FILE
-        await self._execute("migrate-set-parameters", {"max-bandwidth": MIGRATE_BANDWIDTH})
+        params: dict[str, Any] = {"max-bandwidth": MIGRATE_BANDWIDTH}
+        if live:
+            params["downtime-limit"] = LIVE_DOWNTIME_MS
+        await self._execute("migrate-set-parameters", params)
+        # Live, QEMU slows a guest whose memory changes faster than it is copied (rather than
+        # the pause after LIVE_PRECOPY_S copying all of it while the guest stands still).
+        converge = [{"capability": "auto-converge", "state": live}]
+        await self._execute("migrate-set-capabilities", {"capabilities": converge})
         await self._execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(state))}"})
+        deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
+        force_at = time.monotonic() + LIVE_PRECOPY_S
+        stopped_at = None if live else started  # when the guest stopped, if we stopped it
         while True:
-            info = await self._execute("query-migrate")
-            status = info.get("status")
+            if time.monotonic() > deadline:
+                with contextlib.suppress(VMMError, TimeoutError):
+                    await self._execute("migrate_cancel")
+                raise VMMError(f"snapshot of {self.id} took over {SNAPSHOT_TIMEOUT_S:.0f} s")
+            progress = await self._execute("query-migrate")
+            status = progress.get("status")
             if status == "completed":
                 break
             if status in ("failed", "cancelled"):
-                raise VMMError(f"snapshot of {self.id} failed: {info.get('error-desc', status)}")
+                why = progress.get("error-desc", status)
+                raise VMMError(f"snapshot of {self.id} failed: {why}")
+            if stopped_at is None and time.monotonic() > force_at:
+                stopped_at = time.perf_counter()
+                await self.pause()
             await asyncio.sleep(0.005)
+        done_at = time.perf_counter()
+        # A completed migration leaves the guest stopped, live or not.
+        self._state = VMState.PAUSED
         # Paused and migrated, the disk is quiescent: every completed write is in the host's page
         # cache, which the clone reads through.
         await asyncio.to_thread(clone_file, self.config.rootfs, dest / SNAPSHOT_DISK)
+        now = time.perf_counter()
+        if stopped_at is not None:
+            downtime = now - stopped_at
+        else:  # QEMU's own figure for its stop, then what came after it here
+            downtime = float(progress.get("downtime", 0)) / 1000 + (now - done_at)
         info = SnapshotInfo(
             path=dest,
             driver="qemu",
             config=self.config,
             files={"state": STATE_FILE, "disk": SNAPSHOT_DISK},
-            took_s=time.perf_counter() - started,
+            took_s=now - started,
+            downtime_s=downtime,
         )
         info.save()
         return info
@@ -276,11 +333,14 @@ class QemuVM(VM):
 class QemuDriver(Driver):
     name = "qemu"
 
-    def __init__(self, binary: str = "qemu-system-x86_64", accel: str = "tcg") -> None:
+    def __init__(
+        self, binary: str = "qemu-system-x86_64", accel: str = "tcg", guest_aslr: bool = False
+    ) -> None:
         if accel not in ("tcg", "kvm"):
             raise ValueError(f"accel must be 'tcg' or 'kvm', not {accel!r}")
         self.binary = binary
         self.accel = accel
+        self.guest_aslr = guest_aslr
 
     def _cmdline(self, config: VMConfig) -> str:
         cmdline = config.kernel_cmdline("ttyS0")
@@ -295,7 +355,7 @@ class QemuDriver(Driver):
             # randomisation every exec translates ld.so and libc afresh: 21 ms per exec of
             # /usr/bin/true against 8 ms without. Emulation is for development hosts; KVM and
             # Firecracker keep the guest's ASLR. SPACE_GUEST_ASLR=1 keeps it under TCG too.
-            if os.environ.get("SPACE_GUEST_ASLR") != "1":
+            if not self.guest_aslr:
                 cmdline += " norandmaps"
         return cmdline
 
@@ -314,7 +374,9 @@ class QemuDriver(Driver):
             "-smp", str(config.vcpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(config.kernel),
-            "-append", self._cmdline(config),
+            # The command line (with the agent's boot token) in a file of mode 0600, not in
+            # argv, which every user of the host can read in /proc.
+            "-readconfig", str(run_dir / CONFIG_FILE),
             "-drive", f"id=root,file={_qemu_path(config.rootfs)},format=raw,if=none,discard=unmap",
             "-device", "virtio-blk-device,drive=root",
             "-device", "virtio-serial-device,max_ports=2",
@@ -361,6 +423,7 @@ class QemuDriver(Driver):
         for name in (QMP_SOCKET, AGENT_SOCKET):
             with contextlib.suppress(FileNotFoundError):
                 (run_dir / name).unlink()
+        _write_private(run_dir / CONFIG_FILE, _machine_config(self._cmdline(config)))
         fds = {TAP_FD: config.tap_fd} if config.tap_fd is not None else {}
         proc = VMMProcess.spawn(
             [*self.argv(config, run_dir), *extra], run_dir / QEMU_LOG, read_files, fds
@@ -371,6 +434,9 @@ class QemuDriver(Driver):
         except BaseException:
             await vm.kill()
             raise
+        finally:
+            # QEMU read it before it opened its QMP socket; the token has no business on disk.
+            (run_dir / CONFIG_FILE).unlink(missing_ok=True)
         return vm
 
     async def adopt(self, run_dir: Path) -> QemuVM:
@@ -391,12 +457,18 @@ class QemuDriver(Driver):
         vm._state = VMState.PAUSED if status in ("paused", "postmigrate") else VMState.RUNNING
         return vm
 
+    async def probe(self, vm: VM, timeout: float) -> str:
+        assert isinstance(vm, QemuVM)
+        return await vm.query_status(timeout)
+
     async def boot(self, config: VMConfig, run_dir: Path) -> VM:
         vm = await self._launch(config, run_dir, [])
         vm.mark_running()
         return vm
 
-    async def restore(self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path) -> VM:
+    async def restore(
+        self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path, *, paused: bool = False
+    ) -> VM:
         if snapshot.driver != self.name:
             raise VMMError(f"snapshot {snapshot.path} was made by {snapshot.driver}, not qemu")
         _check_same_machine(snapshot.config, config)
@@ -411,10 +483,14 @@ class QemuDriver(Driver):
         # paused VM, so once loaded it is paused too, and we start it.
         try:
             while True:
-                status = await vm.query_status()
+                status = await vm.query_status(LOAD_TIMEOUT_S)
                 if status == "running":
                     break
                 if status == "paused":
+                    if paused:
+                        vm._state = VMState.PAUSED
+                        vm.save()
+                        return vm
                     await vm._execute("cont")
                     continue
                 if status not in ("inmigrate", "prelaunch", "restore-vm"):
@@ -452,6 +528,20 @@ def _host_tsc_khz() -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def _machine_config(cmdline: str) -> str:
+    """A -readconfig file that sets the kernel command line (QEMU's `append` machine option)."""
+    # QEMU's config parser takes a value up to its next double quote, 1023 bytes at most.
+    if '"' in cmdline or len(cmdline) > 1023:
+        raise VMMError(f"kernel command line unusable in a QEMU config file: {cmdline[:80]}…")
+    return f'[machine]\n  append = "{cmdline}"\n'
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _qemu_path(path: Path) -> str:

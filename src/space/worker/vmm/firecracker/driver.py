@@ -181,7 +181,7 @@ class FirecrackerDriver(Driver):
         return vm
 
     async def restore(
-        self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path
+        self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path, *, paused: bool = False
     ) -> FirecrackerVM:
         _check_restorable(snapshot, config)
         state_file = snapshot.path / snapshot.files["state"]
@@ -202,7 +202,7 @@ class FirecrackerDriver(Driver):
                     "backend_type": "File",
                     "backend_path": SNAPSHOT_MEMORY if jailed else str(memory_file),
                 },
-                "resume_vm": True,
+                "resume_vm": not paused,
                 # Explicit, so snapshots whose vsock path was absolute restore here too.
                 "vsock_override": {"uds_path": VSOCK_SOCKET},
             }
@@ -219,7 +219,7 @@ class FirecrackerDriver(Driver):
             await vm._client.load_snapshot(params)
         except BaseException as exc:
             raise await vm._fail("restore", exc) from exc
-        vm._state = VMState.RUNNING
+        vm._state = VMState.PAUSED if paused else VMState.RUNNING
         return vm
 
     async def _launch(

@@ -1,9 +1,11 @@
-"""The worker's HTTP API (docs/worker-api.md): VM lifecycle for the controller, exec and file
-streams for the API server, all behind the deployment's worker secret.
+"""The worker's HTTP API server (docs/worker-api.md): VM lifecycle for the controller, exec and
+file streams for the API server, all behind the deployment's worker secret.
 
-Bodies are checked here (pydantic) and refused with a problem+json 400 that names what was
-wrong; the VM work itself is `VMManager`'s. Exec streams as NDJSON over HTTP, or both ways over
-a WebSocket (with a PTY if asked); files stream in both directions without being held whole.
+Bodies are checked against the wire models (`space.worker.api.models`) and refused with a
+problem+json 400 that names what was wrong; the VM work itself is `VMManager`'s. Lifecycle calls
+must carry the leader's epoch, which the worker's `Fence` checks (412 when stale). Exec streams
+as NDJSON over HTTP, or both ways over a WebSocket (with a PTY if asked); files stream in both
+directions without being held whole.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator
+import ssl
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from http import HTTPStatus
-from typing import Annotated, Any, TypeVar, cast
+from typing import Any, cast
 
 import uvicorn
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -33,7 +36,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from space.gateway.client import GatewayError
 from space.gateway.policy import Policy
+from space.identity import TLSFiles
+from space.logs import RequestLog
 from space.problem import problem
+from space.worker import ksm
 from space.worker.agent_client import (
     AgentClient,
     AgentConnectionLost,
@@ -41,32 +47,51 @@ from space.worker.agent_client import (
     ExecProcess,
     ExecResult,
 )
+from space.worker.api import checkpoints, tcp
+from space.worker.api.activity import Activity, ActivityMiddleware
+from space.worker.api.bodies import Problem, parse, read_body
+from space.worker.api.models import (
+    EPOCH_HEADER,
+    MAX_PATH,
+    NDJSON,
+    BuildRequest,
+    ClaimVM,
+    CreateVM,
+    ExecRequest,
+    Health,
+    Reconcile,
+    Reconciled,
+    Resources,
+    VMCreated,
+    VMReport,
+    VMStats,
+    VMStatusAnswer,
+)
 from space.worker.builds import Build, BuildRefused, Builds
+from space.worker.fence import Fence, StaleEpoch
 from space.worker.network import NetworkError
-from space.worker.vmm.base import VMMError
-from space.worker.vms import (
-    VOLUME_ID,
-    VOLUME_SLOTS,
+from space.worker.sandboxes import (
     InvalidArgument,
     NoRoom,
     TemplateInUse,
     TemplateNotFound,
+    Unavailable,
     VMManager,
     VMManagerError,
     VMNotFound,
     VolumeInUse,
     VolumeMount,
     WrongState,
+    usage,
 )
+from space.worker.sandboxes.capacity import meminfo_mib
+from space.worker.sandboxes.records import EPOCH_FILE
+from space.worker.vmm.base import VMMError
 
 log = logging.getLogger(__name__)
 
-NDJSON = "application/x-ndjson"
-ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
-HOSTNAME = r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,62})$"
-TEMPLATE = r"^[a-z0-9][a-z0-9._-]{0,63}$"
-MAX_PATH = 4096
-MAX_CONTEXT_B64 = 96 << 20  # a build context of up to 64 MiB (files to copy into a template)
+VM_PATH = re.compile(r"^/vms/([A-Za-z0-9_-]{1,64})(?:/|$)")
+QUIET = frozenset({"/health"})  # the controller's probes, every second
 WS_FIRST_MESSAGE_S = 30.0
 STDOUT_TAG, STDERR_TAG = b"\x01", b"\x02"
 WS_FRAME = 32 << 10  # output per message; WebSocket clients often refuse messages over 64 KiB
@@ -79,6 +104,7 @@ MANAGER_STATUS: dict[type[VMManagerError], int] = {
     VolumeInUse: 409,
     TemplateInUse: 409,
     NoRoom: 507,
+    Unavailable: 503,
 }
 AGENT_STATUS = {
     "invalid": 400,
@@ -90,16 +116,6 @@ AGENT_STATUS = {
     "not_empty": 409,
     "no_space": 507,
 }  # any other code (lost, timeout, internal, unauthenticated): the guest agent failed, 502
-
-
-class Problem(Exception):
-    """An answer other than success, as problem+json."""
-
-    def __init__(self, status: int, detail: str, **extra: Any) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-        self.extra = extra
 
 
 def as_problem(e: Exception) -> Problem:
@@ -120,107 +136,6 @@ def as_problem(e: Exception) -> Problem:
     if isinstance(e, GatewayError | NetworkError):
         return Problem(502, f"the sandbox network failed: {e}")
     raise TypeError(f"no problem for {type(e).__name__}")
-
-
-# --- bodies -----------------------------------------------------------------------------------
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-EnvName = Annotated[str, Field(pattern=ENV_NAME)]
-EnvValue = Annotated[str, Field(max_length=32768, pattern=r"^[^\x00]*$")]
-
-
-class VolumeBody(Strict):
-    id: str = Field(pattern=VOLUME_ID.pattern)
-    size_mib: int = Field(ge=1, le=1 << 22)
-    path: str = Field(pattern=r"^/[^\x00]*$", max_length=MAX_PATH)
-    read_only: bool = False
-
-
-class CreateBody(Strict):
-    template: str = Field("base", pattern=TEMPLATE)
-    vcpus: int = Field(1, ge=1, le=64)
-    memory_mib: int = Field(256, ge=128, le=1 << 20)
-    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
-    hostname: str | None = Field(None, pattern=HOSTNAME)
-    disk_mib: int = Field(0, ge=0, le=1 << 20)
-    warm: bool = False
-    volumes: list[VolumeBody] = Field(default_factory=list, max_length=VOLUME_SLOTS)
-    network: Policy | None = None  # what the gateway lets out (default: nothing)
-
-
-class ClaimBody(Strict):
-    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
-    network: Policy | None = None
-
-
-class BuildBody(Strict):
-    spec: str = Field(min_length=1, max_length=1 << 20)
-    context: str = Field("", max_length=MAX_CONTEXT_B64, description="base64 of a tar")
-    environ: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=64)
-
-
-class ExecBody(Strict):
-    cmd: str | None = Field(None, min_length=1, pattern=r"^[^\x00]*$")
-    argv: list[Annotated[str, Field(pattern=r"^[^\x00]*$")]] | None = Field(None, min_length=1)
-    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
-    cwd: str | None = Field(None, pattern=r"^/[^\x00]*$", max_length=MAX_PATH)
-    user: (
-        Annotated[str, Field(min_length=1, max_length=64)] | Annotated[int, Field(ge=0)] | None
-    ) = None
-    timeout: float | None = Field(None, gt=0)
-    stdin: bytes | None = Field(None, description="base64")
-    pty: bool = False
-    rows: int = Field(24, ge=1, le=1000)
-    cols: int = Field(80, ge=1, le=1000)
-
-    @field_validator("stdin", mode="before")
-    @classmethod
-    def decode_stdin(cls, value: object) -> object:
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            raise ValueError("stdin must be a base64 string")
-        try:
-            return base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("stdin is not valid base64") from None
-
-    @model_validator(mode="after")
-    def one_command(self) -> ExecBody:
-        if (self.cmd is None) == (self.argv is None):
-            raise ValueError("give exactly one of 'cmd' (a shell command) or 'argv' (a list)")
-        return self
-
-    @property
-    def command(self) -> str | list[str]:
-        return self.cmd if self.cmd is not None else list(self.argv or [])
-
-
-class ReconcileBody(Strict):
-    keep: list[str]
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def parse(model: type[M], raw: bytes | str) -> M:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        errors = [
-            {"loc": ".".join(str(x) for x in err["loc"]) or "body", "msg": err["msg"]}
-            for err in e.errors(include_url=False)
-        ]
-        detail = "; ".join(f"{x['loc']}: {x['msg']}" for x in errors)
-        raise Problem(400, f"invalid request body: {detail}", errors=errors) from None
-
-
-async def read_body(model: type[M], request: Request) -> M:
-    return parse(model, await request.body() or b"{}")
 
 
 # --- query parameters -------------------------------------------------------------------------
@@ -320,9 +235,15 @@ async def _kill(proc: ExecProcess) -> None:
 
 
 class WorkerAPI:
-    def __init__(self, manager: VMManager) -> None:
+    def __init__(
+        self, manager: VMManager, fence: Fence, problems: Callable[[], list[str]], instance: str
+    ) -> None:
         self.manager = manager
         self.builds = Builds(manager)
+        self.fence = fence
+        self.problems = problems  # why the worker cannot take work now (its gateway is down…)
+        self.instance = instance
+        self.activity = Activity()
 
     def _vm_id(self, conn: Request | WebSocket) -> str:
         return str(conn.path_params["vm_id"])
@@ -330,42 +251,73 @@ class WorkerAPI:
     async def _agent(self, request: Request) -> AgentClient:
         return (await self.manager.agent(self._vm_id(request)))[1]
 
+    def _fenced(self, request: Request, required: bool = True) -> None:
+        """Check the caller's leader epoch: lifecycle calls must carry one that is current."""
+        raw = request.headers.get(EPOCH_HEADER)
+        if raw is None:
+            if required:
+                raise Problem(428, f"lifecycle calls need the leader's epoch ({EPOCH_HEADER})",
+                              code="epoch_required")  # fmt: skip
+            return
+        if not raw.isdigit():
+            raise Problem(400, f"{EPOCH_HEADER} must be a number, got {raw[:40]!r}")
+        try:
+            self.fence.check(int(raw))
+        except StaleEpoch as e:
+            raise Problem(412, str(e), code="stale_epoch") from None
+
     # --- lifecycle ---
 
     async def health(self, request: Request) -> Response:
-        vms = []
-        for sb in self.manager.vms():
-            entry: dict[str, Any] = {"id": sb.id, "state": sb.state,
-                                     "policy": self.manager.policy_known(sb.id)}  # fmt: skip
-            if sb.reason:
-                entry["reason"] = sb.reason
-            vms.append(entry)
-        used_vcpus, used_mib = self.manager.used()
-        return JSONResponse({
-            "worker_id": self.manager.worker_id,
-            "vms": vms,
-            "capacity": {"vcpus": self.manager.capacity_vcpus,
-                         "memory_mib": self.manager.capacity_memory_mib},
-            "used": {"vcpus": used_vcpus, "memory_mib": used_mib},
-        })  # fmt: skip
+        self._fenced(request, required=False)
+        m = self.manager
+        vms = [
+            VMReport(id=sb.id, state=sb.state, reason=sb.reason,  # type: ignore[arg-type]
+                     policy=m.policy_known(sb.id), crashed=sb.crashed,
+                     rebooted=sb.boot == "reboot", idle_s=self.activity.idle_s(sb.id))
+            for sb in m.vms()
+        ]  # fmt: skip
+        self.activity.forget({vm.id for vm in vms})
+        used = m.capacity.with_reserved(m.held())
+        problems = self.problems()
+        health = Health(
+            worker_id=m.worker_id, instance=self.instance, epoch=self.fence.epoch,
+            healthy=not problems, problems=problems, vms=vms,
+            capacity=Resources(vcpus=m.capacity.vcpus,
+                               memory_mib=m.capacity.memory_mib - m.capacity.reserve_mib,
+                               disk_mib=m.capacity.disk_limit_mib()),
+            used=Resources(vcpus=used.vcpus, memory_mib=used.memory_mib,
+                           disk_mib=used.disk_mib + m.volumes.growth_mib()),
+            overhead_mib=m.capacity.overhead_mib,
+            admit_memory=m.capacity.admit_memory,
+            ksm_saved_mib=merged.saved_bytes >> 20 if (merged := ksm.figures()) else None,
+            mem_available_mib=meminfo_mib("MemAvailable"),
+            disk_free_mib=m.capacity.free_disk_mib(),
+        )  # fmt: skip
+        return JSONResponse(health.model_dump(mode="json"))
 
     async def create(self, request: Request) -> Response:
-        body = await read_body(CreateBody, request)
+        self._fenced(request)
+        body = await read_body(CreateVM, request)
+        if self.problems() and self.manager.egress is not None:
+            raise Problem(503, f"this worker cannot start VMs now: {'; '.join(self.problems())}")
         sb = await self.manager.create(
             self._vm_id(request), body.template, body.vcpus, body.memory_mib, body.env,
             body.hostname, body.disk_mib, body.warm,
             [VolumeMount(**v.model_dump()) for v in body.volumes], body.network,
         )  # fmt: skip
-        return JSONResponse(
-            {"id": sb.id, "state": sb.state, "boot": sb.boot, "took_ms": round(sb.took_ms, 3)}
-        )
+        made = VMCreated(id=sb.id, state=sb.state, boot=sb.boot,  # type: ignore[arg-type]
+                         took_ms=round(sb.took_ms, 3))  # fmt: skip
+        return JSONResponse(made.model_dump(mode="json"))
 
     async def claim(self, request: Request) -> Response:
-        body = await read_body(ClaimBody, request)
+        self._fenced(request)
+        body = await read_body(ClaimVM, request)
         sb = await self.manager.claim(self._vm_id(request), body.env, body.network)
-        return JSONResponse({"id": sb.id, "state": sb.state})
+        return _state(sb.id, sb.state)
 
     async def set_network(self, request: Request) -> Response:
+        self._fenced(request)
         policy = await read_body(Policy, request)
         await self.manager.set_policy(self._vm_id(request), policy)
         return Response(status_code=204)
@@ -377,38 +329,56 @@ class WorkerAPI:
         self.manager.get(self._vm_id(request))  # 404 for VMs this worker does not have
         return JSONResponse({"items": await self.manager.audit(self._vm_id(request), int(after))})
 
+    async def stats(self, request: Request) -> Response:
+        sb = self.manager.get(self._vm_id(request))
+        used = await usage.measure(sb, self.manager.network_of(sb.id))
+        stats = VMStats(
+            id=sb.id, state=sb.state, at=used.at, vcpus=sb.spec.vcpus,  # type: ignore[arg-type]
+            memory_mib=sb.spec.memory_mib, cpu_seconds=used.cpu_seconds,
+            memory_bytes=used.memory_bytes, disk_bytes=used.disk_bytes,
+            net_rx_bytes=used.net_rx_bytes, net_tx_bytes=used.net_tx_bytes,
+        )  # fmt: skip
+        return JSONResponse(stats.model_dump(mode="json"))
+
     async def pause(self, request: Request) -> Response:
+        self._fenced(request)
         sb = await self.manager.pause(self._vm_id(request))
-        return JSONResponse({"state": sb.state})
+        return _state(sb.id, sb.state)
 
     async def resume(self, request: Request) -> Response:
+        self._fenced(request)
         sb = await self.manager.resume(self._vm_id(request))
-        return JSONResponse({"state": sb.state})
+        return _state(sb.id, sb.state)
 
     async def suspend(self, request: Request) -> Response:
+        self._fenced(request)
         sb = await self.manager.suspend(self._vm_id(request))
-        return JSONResponse({"state": sb.state})
+        return _state(sb.id, sb.state)
 
     async def delete(self, request: Request) -> Response:
+        self._fenced(request)
         await self.manager.delete(self._vm_id(request))
         return Response(status_code=204)
 
     async def delete_volume(self, request: Request) -> Response:
+        self._fenced(request)
         await self.manager.delete_volume(str(request.path_params["volume_id"]))
         return Response(status_code=204)
 
     # --- templates ---
 
     async def start_build(self, request: Request) -> Response:
-        body = await read_body(BuildBody, request)
+        self._fenced(request)
+        body = await read_body(BuildRequest, request)
         try:
             context = base64.b64decode(body.context, validate=True)
         except binascii.Error:
             raise Problem(400, "context must be base64 (of a tar archive)") from None
         try:
             build = self.builds.start(
-                str(request.path_params["name"]), body.spec, context, body.environ
-            )
+                str(request.path_params["name"]), body.spec, context, body.environ,
+                body.request_id,
+            )  # fmt: skip
         except BuildRefused as e:
             raise Problem(400, str(e)) from None
         return JSONResponse(build.status(), status_code=202)
@@ -433,17 +403,20 @@ class WorkerAPI:
         return StreamingResponse(lines(), media_type="text/plain; charset=utf-8")
 
     async def delete_template(self, request: Request) -> Response:
+        self._fenced(request)
         await self.manager.remove_template(str(request.path_params["name"]))
         return Response(status_code=204)
 
     async def reconcile(self, request: Request) -> Response:
-        body = await read_body(ReconcileBody, request)
-        return JSONResponse({"removed": await self.manager.reconcile(body.keep)})
+        self._fenced(request)
+        body = await read_body(Reconcile, request)
+        removed = Reconciled(removed=await self.manager.reconcile(body.keep))
+        return JSONResponse(removed.model_dump())
 
     # --- exec ---
 
     async def exec(self, request: Request) -> Response:
-        body = await read_body(ExecBody, request)
+        body = await read_body(ExecRequest, request)
         if body.pty:
             raise Problem(400, "a PTY needs the interactive WebSocket: /vms/{id}/exec/ws")
         try:
@@ -474,7 +447,7 @@ class WorkerAPI:
                 return
             if first.get("text") is None:
                 raise Problem(400, "the first message must be the exec request as JSON text")
-            body = parse(ExecBody, first["text"])
+            body = parse(ExecRequest, first["text"])
             proc = await self.manager.exec(
                 self._vm_id(ws), body.command, env=body.env, cwd=body.cwd, user=body.user,
                 timeout=body.timeout, stdin=True, pty=body.pty, rows=body.rows, cols=body.cols,
@@ -511,6 +484,16 @@ class WorkerAPI:
                     await task
         with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the peer may be gone
             await ws.close()
+
+    async def tcp_ws(self, ws: WebSocket) -> None:
+        """Bytes both ways to a port the guest listens on (ingress); see `tcp.bridge`."""
+        try:
+            agent = (await self.manager.agent(self._vm_id(ws)))[1]
+        except (VMManagerError, AgentConnectionLost, VMMError) as e:
+            await ws.accept()
+            await _ws_fail(ws, as_problem(e))
+            return
+        await tcp.bridge(ws, agent, int(ws.path_params["port"]))
 
     # --- files ---
 
@@ -660,8 +643,18 @@ async def _on_unexpected(request: Request, e: Exception) -> Response:
     return problem(500, f"internal error ({type(e).__name__}); it has been logged")
 
 
-def make_app(manager: VMManager, secret: str) -> Starlette:
-    api = WorkerAPI(manager)
+def _state(vm_id: str, state: str) -> Response:
+    return JSONResponse(VMStatusAnswer(id=vm_id, state=state).model_dump())  # type: ignore[arg-type]
+
+
+def make_app(
+    manager: VMManager,
+    secret: str,
+    fence: Fence,
+    problems: Callable[[], list[str]] = list,
+    instance: str = "",
+) -> Starlette:
+    api = WorkerAPI(manager, fence, problems, instance)
     vm = "/vms/{vm_id}"
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -671,6 +664,7 @@ def make_app(manager: VMManager, secret: str) -> Starlette:
         Route(f"{vm}/claim", api.claim, methods=["POST"]),
         Route(f"{vm}/network", api.set_network, methods=["PUT"]),
         Route(f"{vm}/audit", api.audit, methods=["GET"]),
+        Route(f"{vm}/stats", api.stats, methods=["GET"]),
         Route("/volumes/{volume_id}", api.delete_volume, methods=["DELETE"]),
         Route("/templates/{name}/builds", api.start_build, methods=["POST"]),
         Route("/templates/{name}", api.delete_template, methods=["DELETE"]),
@@ -681,12 +675,14 @@ def make_app(manager: VMManager, secret: str) -> Starlette:
         Route(f"{vm}/suspend", api.suspend, methods=["POST"]),
         Route(f"{vm}/exec", api.exec, methods=["POST"]),
         WebSocketRoute(f"{vm}/exec/ws", api.exec_ws),
+        WebSocketRoute(f"{vm}/tcp/{{port:int}}", api.tcp_ws),
         Route(f"{vm}/files", api.download, methods=["GET"]),
         Route(f"{vm}/files", api.upload, methods=["PUT"]),
         Route(f"{vm}/files", api.remove, methods=["DELETE"]),
         Route(f"{vm}/files/list", api.list_dir, methods=["GET"]),
         Route(f"{vm}/files/stat", api.stat, methods=["GET"]),
         Route(f"{vm}/files/mkdir", api.mkdir, methods=["POST"]),
+        *checkpoints.routes(api),
     ]
     handlers = {
         cls: _on_problem
@@ -702,23 +698,66 @@ def make_app(manager: VMManager, secret: str) -> Starlette:
     }
     return Starlette(
         routes=routes,
-        middleware=[Middleware(BearerAuth, secret=secret)],
+        middleware=[
+            Middleware(BearerAuth, secret=secret),
+            # Inside the authentication: only our own services' headers are believed.
+            Middleware(RequestLog, sandbox_path=VM_PATH, trusted=True, quiet=QUIET),
+            Middleware(ActivityMiddleware, activity=api.activity),
+        ],
         exception_handlers={**handlers, HTTPException: _on_http, Exception: _on_unexpected},
     )
 
 
-async def serve(manager: VMManager, secret: str, host: str, port: int) -> None:
-    """Serve the worker API until cancelled (or a SIGINT/SIGTERM), then shut down cleanly."""
+async def serve(
+    manager: VMManager,
+    secret: str,
+    host: str,
+    port: int,
+    *,
+    fence: Fence | None = None,
+    problems: Callable[[], list[str]] = list,
+    instance: str = "",
+    tls: TLSFiles | None = None,
+) -> None:
+    """Serve the worker API until cancelled (or a SIGINT/SIGTERM), then shut down cleanly.
+    With `tls`, it serves HTTPS and asks callers for a client certificate of the deployment's
+    CA (mutual TLS between the control plane and its workers)."""
+    fence = fence or Fence(manager.root / EPOCH_FILE)
+    ssl_options: dict[str, Any] = {}
+    if tls is not None:
+        ssl_options = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key),
+                       "ssl_ca_certs": str(tls.ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}  # fmt: skip
     config = uvicorn.Config(
-        make_app(manager, secret), host=host, port=port, log_level="warning",
+        make_app(manager, secret, fence, problems, instance), host=host, port=port,
+        log_level="warning", log_config=None, **ssl_options,
         lifespan="off", timeout_graceful_shutdown=5,
         ws="wsproto",  # the default implementation logs an error for every refused WebSocket
     )  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
+    dropping = asyncio.ensure_future(_drop_closed_tls(server)) if tls is not None else None
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
         server.should_exit = True
         await task
         raise
+    finally:
+        if dropping is not None:
+            dropping.cancel()
+
+
+async def _drop_closed_tls(server: uvicorn.Server) -> None:
+    """Once the server stops: a TLS connection it closes waits for the peer's close_notify,
+    which an idle pooled client never sends (asyncio waits up to 30 s), so every restart would
+    last the whole graceful-shutdown time. Drop such a connection once all it had to send is
+    sent."""
+    while True:
+        await asyncio.sleep(0.05)
+        if not server.should_exit:
+            continue
+        for connection in list(server.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if (isinstance(transport, asyncio.Transport) and transport.is_closing()
+                    and transport.get_write_buffer_size() == 0):  # fmt: skip
+                transport.abort()

@@ -1,0 +1,260 @@
+"""Templates: the platform's `base`, builds asked for and made on workers, and pool sizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from space.db import tables as t
+from space.db.store.base import NotFound, Queries, Refused, Row
+from space.db.store.pools import drop_members
+
+
+def build_context(template_id: str) -> str:
+    """What a build's sealed registry credentials are bound to (they open for no other)."""
+    return f"build:{template_id}"
+
+
+class TemplateQueries(Queries):
+    async def ensure_template(self, template_id: str) -> None:
+        async with self.engine.begin() as c:
+            await c.execute(pg_insert(t.templates).values(id=template_id).on_conflict_do_nothing())
+
+    async def template_exists(self, template_id: str) -> bool:
+        """Whether sandboxes can be made of it: `base`, or a template built at least once
+        (a rebuild under way leaves the last build usable) and not being deleted."""
+        tp = t.templates.c
+        q = sa.select(tp.id).where(
+            tp.id == template_id,
+            tp.state != "deleting",
+            sa.or_(tp.record.is_not(None), sa.and_(tp.worker_id.is_(None), tp.state == "ready")),
+        )
+        async with self.engine.connect() as c:
+            return (await c.execute(q)).first() is not None
+
+    async def template_worker(self, template_id: str) -> str | None:
+        """The worker a built template lives on (None: on every worker, like `base`)."""
+        tp = t.templates.c
+        async with self.engine.connect() as c:
+            q = sa.select(tp.worker_id).where(tp.id == template_id)
+            return (await c.execute(q)).scalar()
+
+    # --- builds: asked for by the API, started by the controller --------------------------
+
+    async def request_build(
+        self, template_id: str, request_id: str, spec: str, context: bytes,
+        environ: tuple[str, bytes] | None,
+    ) -> Row:  # fmt: skip
+        """Queue a build of a template (made by its first build); Refused while one is queued,
+        under way or the template is being deleted. `environ` is (key id, sealed JSON)."""
+        tp = t.templates.c
+        async with self.engine.begin() as c:
+            await c.execute(pg_insert(t.templates).values(id=template_id, state="queued")
+                            .on_conflict_do_nothing())  # fmt: skip
+            row = (
+                (await c.execute(sa.select(t.templates).where(tp.id == template_id)
+                                 .with_for_update()))
+                .mappings()
+                .one()
+            )  # fmt: skip
+            queued = await c.execute(
+                sa.select(t.template_builds.c.template_id).where(
+                    t.template_builds.c.template_id == template_id
+                )
+            )
+            if row["state"] in ("building", "deleting") or queued.first() is not None:
+                state = "queued" if row["state"] not in ("building", "deleting") else row["state"]
+                raise Refused(409, f"template {template_id} is {state}")
+            await c.execute(
+                t.template_builds.insert().values(
+                    template_id=template_id, request_id=request_id, spec=spec, context=context,
+                    environ_key_id=environ[0] if environ else None,
+                    environ_sealed=environ[1] if environ else None,
+                )
+            )  # fmt: skip
+            q = (
+                t.templates.update()
+                .where(tp.id == template_id)
+                .values(state="queued", error=None, updated_at=sa.func.now())
+                .returning(*t.templates.c)
+            )
+            return (await c.execute(q)).mappings().one()
+
+    async def queued_builds(self) -> list[Row]:
+        """Builds asked for and not started yet, with the template's home worker if it has one."""
+        b, tp = t.template_builds.c, t.templates.c
+        q = (
+            sa.select(t.template_builds, tp.worker_id)
+            .join(t.templates, tp.id == b.template_id)
+            .order_by(b.requested_at)
+        )
+        async with self.engine.connect() as c:
+            return list((await c.execute(q)).mappings())
+
+    async def begin_build(
+        self, template_id: str, request_id: str, worker_id: str, build_id: str
+    ) -> Row | None:
+        """A queued build started on its worker: the request goes, the template is building.
+        None if that request is no longer the queued one."""
+        b = t.template_builds.c
+        values = {"state": "building", "worker_id": worker_id, "build_id": build_id,
+                  "error": None, "updated_at": sa.func.now()}  # fmt: skip
+        async with self.engine.begin() as c:
+            gone = await c.execute(
+                t.template_builds.delete().where(
+                    b.template_id == template_id, b.request_id == request_id
+                )
+            )
+            if gone.rowcount != 1:
+                return None
+            q = (
+                t.templates.update()
+                .where(t.templates.c.id == template_id)
+                .values(**values)
+                .returning(*t.templates.c)
+            )
+            return (await c.execute(q)).mappings().one()
+
+    async def fail_queued_build(self, template_id: str, request_id: str, error: str) -> None:
+        """A queued build that cannot start (refused by its worker): the request goes."""
+        b, tp = t.template_builds.c, t.templates.c
+        async with self.engine.begin() as c:
+            gone = await c.execute(
+                t.template_builds.delete().where(
+                    b.template_id == template_id, b.request_id == request_id
+                )
+            )
+            if gone.rowcount == 1:
+                # Back to ready if an earlier build is usable, else failed; with the reason.
+                state = sa.case((tp.record.is_not(None), "ready"), else_="failed")
+                await c.execute(
+                    t.templates.update()
+                    .where(tp.id == template_id)
+                    .values(state=state, error=error, updated_at=sa.func.now())
+                )
+
+    async def finish_build(
+        self, template_id: str, build_id: str, record: dict[str, Any] | None, error: str | None
+    ) -> None:
+        """A build ended: with its template's record, or with what went wrong (the last good
+        build, if any, stays in use)."""
+        tp = t.templates.c
+        values: dict[str, Any] = {"state": "failed" if error else "ready", "error": error,
+                                  "updated_at": sa.func.now()}  # fmt: skip
+        if record is not None:
+            values["record"] = record
+        async with self.engine.begin() as c:
+            await c.execute(
+                t.templates.update()
+                .where(tp.id == template_id, tp.build_id == build_id, tp.state == "building")
+                .values(**values)
+            )
+
+    async def templates_in(self, state: str) -> list[Row]:
+        q = sa.select(t.templates).where(t.templates.c.state == state)
+        async with self.engine.connect() as c:
+            return list((await c.execute(q)).mappings())
+
+    async def delete_template(self, template_id: str) -> Row:
+        """Ask for a template's deletion: refused while a tenant's sandbox uses it; its pool
+        is let go. The controller removes it from its worker once no sandbox needs it."""
+        tp, s = t.templates.c, t.sandboxes.c
+        async with self.engine.begin() as c:
+            row = (
+                (
+                    await c.execute(
+                        sa.select(t.templates).where(tp.id == template_id).with_for_update()
+                    )
+                )
+                .mappings()
+                .first()
+            )
+            if row is None or row["state"] == "deleting":
+                raise Refused(404, f"no template {template_id}")
+            if row["worker_id"] is None:
+                raise Refused(409, f"{template_id} is the platform's own template: it stays")
+            users = await c.execute(
+                sa.select(s.id)
+                .where(s.template == template_id, s.state != "deleted", sa.not_(s.pool))
+                .order_by(s.id)
+                .limit(20)
+            )
+            ids = [r.id for r in users]
+            if ids:
+                raise Refused(409, f"template {template_id} is used by {', '.join(ids)}")
+            await drop_members(c, [s.template == template_id], "the template is deleted")
+            q = (
+                t.templates.update()
+                .where(tp.id == template_id)
+                .values(state="deleting", pool_size=0, updated_at=sa.func.now())
+                .returning(*t.templates.c)
+            )
+            return (await c.execute(q)).mappings().one()
+
+    async def template_users(self, template_id: str) -> int:
+        """Sandboxes (pool members included) of the template that are not deleted yet."""
+        s = t.sandboxes.c
+        q = sa.select(sa.func.count()).where(s.template == template_id, s.state != "deleted")
+        async with self.engine.connect() as c:
+            return int((await c.execute(q)).scalar_one())
+
+    async def forget_template(self, template_id: str) -> None:
+        async with self.engine.begin() as c:
+            await c.execute(t.templates.delete().where(t.templates.c.id == template_id))
+
+    async def templates(self, template_id: str | None = None) -> list[Row]:
+        """Templates with how many pool members each has ready and on the way."""
+        s = t.sandboxes.c
+        members = (
+            sa.select(
+                s.template,
+                sa.func.count().filter(s.state == "running").label("pool_ready"),
+                sa.func.count().filter(s.state != "running").label("pool_starting"),
+            )
+            .where(s.pool, s.desired_state == "running", s.state.not_in(("error", "deleted")))
+            .group_by(s.template)
+            .subquery()
+        )
+        q = (
+            sa.select(
+                t.templates,
+                sa.func.coalesce(members.c.pool_ready, 0).label("pool_ready"),
+                sa.func.coalesce(members.c.pool_starting, 0).label("pool_starting"),
+            )
+            .outerjoin(members, members.c.template == t.templates.c.id)
+            .order_by(t.templates.c.id)
+        )
+        if template_id is not None:
+            q = q.where(t.templates.c.id == template_id)
+        async with self.engine.connect() as c:
+            return list((await c.execute(q)).mappings())
+
+    async def set_pool(
+        self, template_id: str, size: int, vcpus: int, memory_mib: int, disk_mib: int
+    ) -> None:
+        """Size and shape of a template's warm pool; members of another shape are let go."""
+        async with self.engine.begin() as c:
+            res = await c.execute(
+                t.templates.update()
+                .where(t.templates.c.id == template_id)
+                .values(
+                    pool_size=size,
+                    pool_vcpus=vcpus,
+                    pool_memory_mib=memory_mib,
+                    pool_disk_mib=disk_mib,
+                )
+            )
+            if res.rowcount != 1:
+                raise NotFound(template_id)
+            s = t.sandboxes.c
+            await drop_members(
+                c,
+                [
+                    s.template == template_id,
+                    sa.tuple_(s.vcpus, s.memory_mib, s.disk_mib)
+                    != sa.tuple_(vcpus, memory_mib, disk_mib),
+                ],
+                "the pool changed shape",
+            )

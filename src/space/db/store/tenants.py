@@ -1,0 +1,157 @@
+"""Tenants and their API keys (only a key's SHA-256 is stored)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from space.db import tables as t
+from space.db.store.base import POOL_NAME, POOL_TENANT, Queries, Refused, Row, Tenant, new_id
+
+KEY_PREFIX = "sk_space_"
+
+
+def _sha256(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+def key_id_of(key: str) -> str:
+    """A key's public part: its id, the characters between the prefix and the secret."""
+    return key[len(KEY_PREFIX) :].split("_", 1)[0]
+
+
+class TenantQueries(Queries):
+    async def create_tenant(self, name: str, exist_ok: bool = True) -> Tenant:
+        """The tenant of that name, made if there is none (with `exist_ok=False`, 409 if
+        there is one)."""
+        if name == POOL_NAME:
+            raise ValueError(f"{name!r} is reserved for the warm pools")
+        tenants = t.tenants.c
+        async with self.engine.begin() as c:
+            # ON CONFLICT: two creates of one name at once make one tenant, and neither fails.
+            made = await c.scalar(
+                pg_insert(t.tenants)
+                .values(id=new_id("tn"), name=name)
+                .on_conflict_do_nothing(index_elements=[tenants.name])
+                .returning(tenants.id)
+            )
+            if made is not None:
+                return Tenant(made, name)
+            if not exist_ok:
+                raise Refused(409, f"there is a tenant named {name!r} already")
+            query = sa.select(tenants.id).where(tenants.name == name)
+            return Tenant((await c.execute(query)).scalar_one(), name)
+
+    async def tenants(self, tenant_id: str | None = None) -> list[Row]:
+        """Every tenant (or the one asked for) but the warm pools', oldest first, with what it
+        holds now (sandboxes not deleted, their vCPUs and memory) and its active keys."""
+        s, k, tn = t.sandboxes.c, t.api_keys.c, t.tenants.c
+        held = (
+            sa.select(
+                s.tenant_id,
+                sa.func.count().label("sandboxes"),
+                sa.func.sum(s.vcpus).label("vcpus"),
+                sa.func.sum(s.memory_mib).label("memory_mib"),
+            )
+            .where(s.state != "deleted")
+            .group_by(s.tenant_id)
+            .subquery()
+        )
+        keys = (
+            sa.select(k.tenant_id, sa.func.count().label("keys"))
+            .where(k.revoked_at.is_(None))
+            .group_by(k.tenant_id)
+            .subquery()
+        )
+        query = (
+            sa.select(
+                tn.id,
+                tn.name,
+                tn.created_at,
+                *(
+                    sa.func.coalesce(col, 0).label(col.name)
+                    for col in (held.c.sandboxes, held.c.vcpus, held.c.memory_mib, keys.c["keys"])
+                ),
+            )
+            .outerjoin(held, held.c.tenant_id == tn.id)
+            .outerjoin(keys, keys.c.tenant_id == tn.id)
+            .where(tn.id != POOL_TENANT)
+            .order_by(tn.created_at, tn.name)
+        )
+        if tenant_id is not None:
+            query = query.where(tn.id == tenant_id)
+        async with self.engine.connect() as c:
+            return list((await c.execute(query)).mappings())
+
+    async def tenant_named(self, name: str) -> Tenant | None:
+        async with self.engine.connect() as c:
+            row = (await c.execute(sa.select(t.tenants).where(t.tenants.c.name == name))).first()
+        return None if row is None else Tenant(row.id, row.name)
+
+    async def create_api_key(self, tenant_id: str, name: str = "", admin: bool = False) -> str:
+        """A new key; only its hash is stored, so this is the one time it can be seen."""
+        if tenant_id == POOL_TENANT:
+            raise ValueError("the warm pools' tenant has no keys")
+        key_id = secrets.token_hex(6)
+        secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
+        key = f"{KEY_PREFIX}{key_id}_{secret}"
+        async with self.engine.begin() as c:
+            await c.execute(
+                t.api_keys.insert().values(
+                    id=key_id,
+                    tenant_id=tenant_id,
+                    secret_sha256=_sha256(key),
+                    name=name,
+                    admin=admin,
+                )
+            )
+        return key
+
+    async def api_keys(self, tenant_id: str, key_id: str | None = None) -> list[Row]:
+        """A tenant's active keys (or the one asked for), oldest first: never their hash."""
+        k = t.api_keys.c
+        query = (
+            sa.select(k.id, k.name, k.admin, k.created_at)
+            .where(k.tenant_id == tenant_id, k.revoked_at.is_(None))
+            .order_by(k.created_at, k.id)
+        )
+        if key_id is not None:
+            query = query.where(k.id == key_id)
+        async with self.engine.connect() as c:
+            return list((await c.execute(query)).mappings())
+
+    async def revoke_api_key(self, key_id: str, tenant_id: str | None = None) -> bool:
+        """False if there is no such active key (of that tenant, when one is named)."""
+        k = t.api_keys.c
+        query = t.api_keys.update().where(k.id == key_id, k.revoked_at.is_(None))
+        if tenant_id is not None:
+            query = query.where(k.tenant_id == tenant_id)
+        async with self.engine.begin() as c:
+            res = await c.execute(query.values(revoked_at=sa.func.now()))
+            return res.rowcount == 1
+
+    async def authenticate(self, key: str) -> Tenant | None:
+        if not key.startswith(KEY_PREFIX) or len(key) > 200:
+            return None
+        async with self.engine.connect() as c:
+            row = (
+                await c.execute(
+                    sa.select(
+                        t.api_keys.c.id.label("key_id"),
+                        t.api_keys.c.secret_sha256,
+                        t.api_keys.c.admin,
+                        t.tenants.c.id,
+                        t.tenants.c.name,
+                    )
+                    .join(t.tenants, t.tenants.c.id == t.api_keys.c.tenant_id)
+                    .where(t.api_keys.c.id == key_id_of(key), t.api_keys.c.revoked_at.is_(None))
+                )
+            ).first()
+        if row is None or not hmac.compare_digest(bytes(row.secret_sha256), _sha256(key)):
+            return None
+        return Tenant(row.id, row.name, bool(row.admin), row.key_id)

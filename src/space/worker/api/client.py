@@ -1,0 +1,461 @@
+"""The typed client of the worker API, used by the controller (lifecycle) and the API server
+(data plane). Every call goes through a method here, with its own deadline; nobody else builds
+worker URLs or bodies.
+
+`Worker` is one worker as a caller sees it (its URL); `WorkerClient` holds the connection pools,
+the credentials (a bearer secret, and a TLS context when the cluster runs mutual TLS) and the
+fencing epoch lifecycle calls carry.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import httpx
+from httpx_ws import AsyncWebSocketSession, aconnect_ws
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from space import logs
+from space.gateway.policy import Policy
+from space.identity import worker_name
+from space.worker.api.models import (
+    EPOCH_HEADER,
+    AuditItems,
+    BuildRequest,
+    BuildStatus,
+    CheckpointTaken,
+    ClaimVM,
+    CreateVM,
+    ExecEvent,
+    ExecRequest,
+    FileEntry,
+    FileList,
+    Forked,
+    ForkVM,
+    Health,
+    Reconcile,
+    Reconciled,
+    VMCreated,
+    VMStats,
+    VMStatusAnswer,
+    WriteResult,
+)
+
+A = TypeVar("A", bound=BaseModel)
+EVENTS: TypeAdapter[ExecEvent] = TypeAdapter(ExecEvent)
+
+# Deadlines (seconds) per kind of call. A create may cold-boot a VM and build its shape's base
+# snapshot, then wait for a template's service to be ready.
+CONNECT_S = 3.0
+PROBE_S = 2.0
+CLAIM_S = 3.0
+STATS_S = 5.0
+QUICK_S = 15.0
+STATE_S = 120.0
+CREATE_S = 330.0
+MAX_ANSWER = 16 << 20  # a worker's JSON answer larger than this is refused unread
+WS_MESSAGE = 1 << 20
+
+
+class WorkerError(Exception):
+    """A worker refused or failed a call; `status` is its HTTP status (0: unreachable or no
+    answer in time; `timed_out` says which), `code` its problem code if it sent one."""
+
+    def __init__(
+        self, status: int, detail: str, code: str | None = None, timed_out: bool = False
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.code = code
+        self.timed_out = timed_out
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A worker by its id and URL (from its registration)."""
+
+    id: str
+    url: str
+
+    def vm(self, vm_id: str, *rest: str) -> str:
+        return "/".join([self.url.rstrip("/"), "vms", vm_id, *rest])
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.url.rstrip("/"), *parts])
+
+
+def _problem(status: int, raw: bytes) -> WorkerError:
+    code = None
+    try:
+        body = json.loads(raw)
+        detail = str(body.get("detail") or body.get("title") or body)
+        code = body.get("code")
+    except (ValueError, AttributeError):
+        detail = raw[:500].decode(errors="replace")
+    return WorkerError(status, detail, code if isinstance(code, str) else None)
+
+
+def _transport_error(url: str, e: httpx.TransportError) -> WorkerError:
+    timed_out = isinstance(e, httpx.TimeoutException)
+    what = "did not answer in time" if timed_out else "unreachable"
+    return WorkerError(0, f"worker at {url} {what}: {e or type(e).__name__}", timed_out=timed_out)
+
+
+class WorkerClient:
+    """One client for every worker. `epoch` gives the fencing epoch for lifecycle calls (the
+    controller's lease); a caller without one (the API) makes data-plane calls, and passes the
+    epoch it read to the few lifecycle calls it makes."""
+
+    def __init__(
+        self,
+        secret: str,
+        *,
+        epoch: Callable[[], int] | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self._epoch = epoch
+        self._tls = tls is not None
+        self._new_pool = partial(
+            httpx.AsyncClient,
+            timeout=httpx.Timeout(QUICK_S, connect=CONNECT_S),
+            headers={"Authorization": f"Bearer {secret}"},
+            limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
+            verify=tls if tls is not None else True,
+            event_hooks={"request": [_carry_context]},
+        )
+        self._pools: dict[str, httpx.AsyncClient] = {}
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            await pool.aclose()
+
+    # --- plumbing -----------------------------------------------------------------------------
+
+    def _route(self, w: Worker) -> tuple[httpx.AsyncClient, dict[str, Any]]:
+        """The connection pool for `w` and the request's extensions. Under mutual TLS the
+        worker's certificate must name the id it registered with, so a host showing another
+        worker's is refused, and each id has a pool of its own: a connection verified as one
+        worker is never reused for another at the same address. A worker not served over TLS
+        is refused at once."""
+        if not self._tls:
+            return self._pool(""), {}
+        if not w.url.startswith("https://"):
+            raise WorkerError(0, f"worker {w.id} at {w.url} is not served over TLS")
+        return self._pool(w.id), {"sni_hostname": worker_name(w.id)}
+
+    def _pool(self, key: str) -> httpx.AsyncClient:
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = self._new_pool()
+        return pool
+
+    def _headers(self, epoch: int | None) -> dict[str, str]:
+        if epoch is None and self._epoch is not None:
+            epoch = self._epoch()
+        return {EPOCH_HEADER: str(epoch)} if epoch is not None else {}
+
+    async def _call(
+        self,
+        method: str,
+        w: Worker,
+        url: str,
+        answer: type[A] | None,
+        *,
+        timeout: float,
+        body: BaseModel | None = None,
+        params: dict[str, Any] | None = None,
+        fenced: bool = False,
+        epoch: int | None = None,
+    ) -> A | None:
+        content = body.model_dump_json(exclude_none=False).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else {}
+        if fenced:
+            headers.update(self._headers(epoch))
+        http, extensions = self._route(w)
+        try:
+            async with http.stream(
+                method, url, content=content, params=params, headers=headers,
+                timeout=httpx.Timeout(timeout, connect=min(CONNECT_S, timeout)),
+                extensions=extensions,
+            ) as resp:  # fmt: skip
+                raw = await _read_capped(resp)
+        except httpx.TransportError as e:
+            raise _transport_error(url, e) from e
+        if not resp.is_success:
+            raise _problem(resp.status_code, raw)
+        if answer is None:
+            return None
+        try:
+            return answer.model_validate_json(raw)
+        except ValidationError as e:
+            raise WorkerError(502, f"worker at {url} answered nonsense: {e}") from None
+
+    @asynccontextmanager
+    async def _stream(
+        self,
+        method: str,
+        w: Worker,
+        url: str,
+        *,
+        json_body: Any = None,
+        params: dict[str, Any] | None = None,
+        content: AsyncIterable[bytes] | None = None,
+        read_timeout: float | None = None,
+    ) -> AsyncIterator[httpx.Response]:
+        """A streamed call; a non-2xx answer raises before the body is handed over. A stream
+        may rightly stay silent for as long as its process runs, so reading is unbounded unless
+        `read_timeout` says otherwise; connecting and the answer's head are bounded."""
+        timeout = httpx.Timeout(QUICK_S, connect=CONNECT_S, read=read_timeout, write=QUICK_S)
+        http, extensions = self._route(w)
+        req = http.build_request(
+            method, url, json=json_body, params=params, content=content, timeout=timeout,
+            extensions=extensions,
+        )  # fmt: skip
+        try:
+            resp = await http.send(req, stream=True)
+        except httpx.TransportError as e:
+            raise _transport_error(url, e) from e
+        try:
+            if not resp.is_success:
+                raise _problem(resp.status_code, await _read_capped(resp))
+            yield resp
+        finally:
+            await resp.aclose()
+
+    # --- lifecycle (fenced) -------------------------------------------------------------------
+
+    async def health(self, w: Worker, timeout: float = PROBE_S) -> Health:
+        """The worker's state; the epoch the caller holds goes along, so a new leader's first
+        probe already tells every worker to refuse the old one."""
+        got = await self._call(
+            "GET", w, w.path("health"), Health, timeout=timeout, fenced=self._epoch is not None
+        )
+        assert got is not None
+        return got
+
+    async def create_vm(self, w: Worker, vm_id: str, body: CreateVM) -> VMCreated:
+        got = await self._call(
+            "PUT", w, w.vm(vm_id), VMCreated, timeout=CREATE_S, body=body, fenced=True
+        )
+        assert got is not None
+        return got
+
+    async def claim_vm(self, w: Worker, vm_id: str, body: ClaimVM, epoch: int) -> VMStatusAnswer:
+        got = await self._call(
+            "POST", w, w.vm(vm_id, "claim"), VMStatusAnswer, timeout=CLAIM_S, body=body,
+            fenced=True, epoch=epoch,
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+    async def change_vm(self, w: Worker, vm_id: str, verb: str) -> VMStatusAnswer:
+        """pause, resume (from paused, or a restore from suspended) or suspend."""
+        if verb not in ("pause", "resume", "suspend"):
+            raise ValueError(f"no VM change {verb!r}")
+        got = await self._call(
+            "POST", w, w.vm(vm_id, verb), VMStatusAnswer, timeout=STATE_S, fenced=True
+        )
+        assert got is not None
+        return got
+
+    async def checkpoint_vm(
+        self, w: Worker, vm_id: str, checkpoint_id: str, epoch: int
+    ) -> CheckpointTaken:
+        got = await self._call(
+            "POST", w, w.vm(vm_id, "checkpoints", checkpoint_id), CheckpointTaken, timeout=STATE_S,
+            fenced=True, epoch=epoch,
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+    async def delete_checkpoint(
+        self, w: Worker, vm_id: str, checkpoint_id: str, epoch: int | None = None
+    ) -> None:
+        await self._call(
+            "DELETE", w, w.vm(vm_id, "checkpoints", checkpoint_id), None, timeout=QUICK_S,
+            fenced=True, epoch=epoch,
+        )  # fmt: skip
+
+    async def rollback_vm(
+        self, w: Worker, vm_id: str, checkpoint_id: str, epoch: int
+    ) -> VMStatusAnswer:
+        got = await self._call(
+            "POST", w, w.vm(vm_id, "checkpoints", checkpoint_id, "rollback"), VMStatusAnswer,
+            timeout=STATE_S, fenced=True, epoch=epoch,
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+    async def fork_vm(self, w: Worker, vm_id: str, body: ForkVM, epoch: int) -> Forked:
+        got = await self._call(
+            "POST", w, w.vm(vm_id, "fork"), Forked, timeout=CREATE_S, body=body, fenced=True,
+            epoch=epoch,
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+    async def delete_vm(self, w: Worker, vm_id: str, epoch: int | None = None) -> None:
+        await self._call("DELETE", w, w.vm(vm_id), None, timeout=STATE_S, fenced=True, epoch=epoch)
+
+    async def set_network(self, w: Worker, vm_id: str, policy: Policy) -> None:
+        await self._call(
+            "PUT", w, w.vm(vm_id, "network"), None, timeout=QUICK_S, body=policy, fenced=True
+        )
+
+    async def reconcile(self, w: Worker, keep: list[str]) -> Reconciled:
+        got = await self._call(
+            "POST", w, w.path("reconcile"), Reconciled, timeout=STATE_S, body=Reconcile(keep=keep),
+            fenced=True,
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+    async def delete_volume(self, w: Worker, volume_id: str) -> None:
+        await self._call(
+            "DELETE", w, w.path("volumes", volume_id), None, timeout=QUICK_S, fenced=True
+        )
+
+    async def delete_template(self, w: Worker, name: str) -> None:
+        await self._call("DELETE", w, w.path("templates", name), None, timeout=STATE_S, fenced=True)
+
+    async def start_build(self, w: Worker, name: str, body: BuildRequest) -> BuildStatus:
+        got = await self._call(
+            "POST", w, w.path("templates", name, "builds"), BuildStatus, timeout=STATE_S,
+            body=body, fenced=True,
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+    async def build_status(self, w: Worker, build_id: str) -> BuildStatus:
+        got = await self._call("GET", w, w.path("builds", build_id), BuildStatus, timeout=QUICK_S)
+        assert got is not None
+        return got
+
+    def build_log(self, w: Worker, build_id: str) -> AbstractAsyncContextManager[httpx.Response]:
+        return self._stream("GET", w, w.path("builds", build_id, "log"))
+
+    # --- data plane ---------------------------------------------------------------------------
+
+    async def audit(self, w: Worker, vm_id: str, after: int = 0) -> AuditItems:
+        got = await self._call(
+            "GET", w, w.vm(vm_id, "audit"), AuditItems, timeout=QUICK_S, params={"after": after}
+        )
+        assert got is not None
+        return got
+
+    async def stats(self, w: Worker, vm_id: str) -> VMStats:
+        got = await self._call("GET", w, w.vm(vm_id, "stats"), VMStats, timeout=STATS_S)
+        assert got is not None
+        return got
+
+    def exec_stream(
+        self, w: Worker, vm_id: str, body: ExecRequest
+    ) -> AbstractAsyncContextManager[httpx.Response]:
+        """The raw NDJSON event stream of a process (relayed as it is by the API)."""
+        return self._stream("POST", w, w.vm(vm_id, "exec"), json_body=body.wire())
+
+    @asynccontextmanager
+    async def exec_events(
+        self, w: Worker, vm_id: str, body: ExecRequest
+    ) -> AsyncIterator[AsyncIterator[ExecEvent]]:
+        """The events of a process, parsed (at most 1 MiB per line)."""
+        async with self.exec_stream(w, vm_id, body) as resp:
+            yield _events(resp)
+
+    def exec_ws(self, w: Worker, vm_id: str) -> AbstractAsyncContextManager[AsyncWebSocketSession]:
+        return self._ws(w, w.vm(vm_id, "exec", "ws"))
+
+    def tcp(
+        self, w: Worker, vm_id: str, port: int
+    ) -> AbstractAsyncContextManager[AsyncWebSocketSession]:
+        """A TCP connection to `port` inside the VM, as a WebSocket (`TCP_EOF` in models)."""
+        return self._ws(w, w.vm(vm_id, "tcp", str(port)))
+
+    def _ws(self, w: Worker, url: str) -> AbstractAsyncContextManager[AsyncWebSocketSession]:
+        http, extensions = self._route(w)
+        url = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+        return aconnect_ws(url, http, max_message_size_bytes=WS_MESSAGE,
+                           extensions=extensions)  # fmt: skip
+
+    def download(
+        self, w: Worker, vm_id: str, path: str
+    ) -> AbstractAsyncContextManager[httpx.Response]:
+        return self._stream("GET", w, w.vm(vm_id, "files"), params={"path": path})
+
+    async def upload(
+        self,
+        w: Worker,
+        vm_id: str,
+        path: str,
+        content: AsyncIterable[bytes],
+        *,
+        mode: int = 0o644,
+        make_parents: bool = False,
+    ) -> WriteResult:
+        params = {"path": path, "mode": mode, "make_parents": str(make_parents).lower()}
+        async with self._stream(
+            "PUT", w, w.vm(vm_id, "files"), params=params, content=content, read_timeout=STATE_S
+        ) as resp:
+            raw = await _read_capped(resp)
+        return WriteResult.model_validate_json(raw)
+
+    async def list_dir(self, w: Worker, vm_id: str, path: str) -> FileList:
+        got = await self._call(
+            "GET", w, w.vm(vm_id, "files", "list"), FileList, timeout=QUICK_S,
+            params={"path": path},
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+    async def stat(self, w: Worker, vm_id: str, path: str) -> FileEntry:
+        got = await self._call(
+            "GET", w, w.vm(vm_id, "files", "stat"), FileEntry, timeout=QUICK_S,
+            params={"path": path},
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+    async def remove(self, w: Worker, vm_id: str, path: str, recursive: bool = False) -> None:
+        params = {"path": path, "recursive": str(recursive).lower()}
+        await self._call("DELETE", w, w.vm(vm_id, "files"), None, timeout=STATE_S, params=params)
+
+    async def mkdir(self, w: Worker, vm_id: str, path: str, parents: bool = False) -> FileEntry:
+        got = await self._call(
+            "POST", w, w.vm(vm_id, "files", "mkdir"), FileEntry, timeout=QUICK_S,
+            params={"path": path, "parents": str(parents).lower()},
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+
+async def _carry_context(request: httpx.Request) -> None:
+    """Every call names the request it is made for (for the worker's logs)."""
+    request.headers.update(logs.context_headers())
+
+
+async def _read_capped(resp: httpx.Response, limit: int = MAX_ANSWER) -> bytes:
+    out = bytearray()
+    async for chunk in resp.aiter_raw():
+        out += chunk
+        if len(out) > limit:
+            raise WorkerError(502, f"the worker's answer is over {limit >> 20} MiB")
+    return bytes(out)
+
+
+async def _events(resp: httpx.Response) -> AsyncIterator[ExecEvent]:
+    async for line in resp.aiter_lines():
+        if not line:
+            continue
+        if len(line) > WS_MESSAGE * 2:
+            raise WorkerError(502, "an exec event from the worker is too large")
+        try:
+            yield EVENTS.validate_python(json.loads(line))
+        except (ValueError, ValidationError) as e:
+            raise WorkerError(502, f"the worker sent a broken exec event: {e}") from None

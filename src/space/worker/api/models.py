@@ -1,0 +1,316 @@
+"""The worker API on the wire: every request body and answer, typed once for both sides.
+
+The worker's server (`space.worker.api.server`) validates what it receives with these models and
+answers with them; the client (`space.worker.api.client`) builds its requests from them and
+parses the answers into them. docs/worker-api.md describes the calls.
+
+Lifecycle calls carry the controller leader's fencing epoch in `EPOCH_HEADER`; a worker refuses
+an epoch older than the newest it has seen (412), so a leader that was replaced cannot act any
+more. Data-plane calls (exec, files, audit) carry none.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from space.gateway.policy import Policy
+
+EPOCH_HEADER = "Space-Epoch"
+NDJSON = "application/x-ndjson"
+
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+HOSTNAME = r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,62})$"
+TEMPLATE = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+VM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+VOLUME_ID = re.compile(r"^[a-z0-9][a-z0-9-]{2,19}$")  # it is the drive's serial: 20 bytes at most
+# Every VM has this many extra drives: empty slots, or the sandbox's volumes. A restore can put
+# a volume in a slot (same devices, another file), so volumes need no boot.
+VOLUME_SLOTS = 2
+MAX_PATH = 4096
+# The guest TCP WebSocket (/vms/{id}/tcp/{port}): binary messages are the connection's bytes both
+# ways; the client's text message TCP_EOF ends its side; the worker closes with 1000 once the
+# guest's side ended and everything was sent, or with 4000 + an HTTP status and the reason when
+# the connection could not be made or broke.
+TCP_EOF = "eof"
+TCP_FRAME = 32 << 10  # bytes per message, under what WebSocket clients accept
+MAX_CONTEXT_B64 = 96 << 20  # a build context of up to 64 MiB (files to copy into a template)
+
+VMState = Literal["running", "paused", "suspended", "error", "unresponsive"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Answer(BaseModel):
+    """What a worker sends back; unknown members are ignored (a newer worker may add some)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+EnvName = Annotated[str, Field(pattern=ENV_NAME)]
+EnvValue = Annotated[str, Field(max_length=32768, pattern=r"^[^\x00]*$")]
+Env = dict[EnvName, EnvValue]
+
+
+# --- lifecycle --------------------------------------------------------------------------------
+
+
+class VolumeSpec(Strict):
+    id: str = Field(pattern=VOLUME_ID.pattern)
+    size_mib: int = Field(ge=1, le=1 << 22)
+    path: str = Field(pattern=r"^/[^\x00]*$", max_length=MAX_PATH)
+    read_only: bool = False
+
+
+class CreateVM(Strict):
+    """PUT /vms/{id}: a running VM of this shape (the existing one if it is already there; a
+    VM whose VMM died is booted again from its own disk)."""
+
+    template: str = Field("base", pattern=TEMPLATE)
+    vcpus: int = Field(1, ge=1, le=64)
+    memory_mib: int = Field(256, ge=128, le=1 << 20)
+    env: Env = Field(default_factory=dict, max_length=256)
+    hostname: str | None = Field(None, pattern=HOSTNAME)
+    disk_mib: int = Field(0, ge=0, le=1 << 20)  # 0: the template's own size
+    warm: bool = False  # a warm-pool member: exec paths are run once before it answers
+    volumes: list[VolumeSpec] = Field(default_factory=list, max_length=VOLUME_SLOTS)
+    network: Policy | None = None  # what the gateway lets out (default: nothing)
+
+
+class VMCreated(Answer):
+    id: str
+    state: VMState
+    boot: Literal["restore", "cold", "reboot", "fork"]
+    took_ms: float
+
+
+class CheckpointTaken(Answer):
+    """POST /vms/{id}/checkpoints/{checkpoint}: memory, devices and disk of a running VM, taken
+    while it runs on; `paused_ms` is how long its guest was stopped for it."""
+
+    id: str
+    vm_id: str
+    size_bytes: int
+    paused_ms: float
+    took_ms: float
+
+
+class ForkChild(Strict):
+    id: str = Field(pattern=VM_ID.pattern)
+    hostname: str | None = Field(None, pattern=HOSTNAME)
+    env: Env = Field(default_factory=dict, max_length=256)
+    network: Policy | None = None  # the child's own egress policy (default: nothing out)
+
+
+MAX_FORK = 16
+
+
+class ForkVM(Strict):
+    """POST /vms/{id}/fork: running children of the VM's state now, or of a checkpoint."""
+
+    children: list[ForkChild] = Field(min_length=1, max_length=MAX_FORK)
+    checkpoint: str | None = Field(None, pattern=VM_ID.pattern)
+
+
+class Forked(Answer):
+    children: list[VMCreated]
+    paused_ms: float  # how long the parent was stopped (0 from a checkpoint)
+    took_ms: float
+
+
+class ClaimVM(Strict):
+    """POST /vms/{id}/claim: a warm-pool VM handed to a tenant."""
+
+    env: Env = Field(default_factory=dict, max_length=256)
+    network: Policy | None = None
+
+
+class VMStatusAnswer(Answer):
+    id: str
+    state: VMState
+
+
+class VMReport(Answer):
+    id: str
+    state: VMState
+    reason: str | None = None
+    policy: bool = True  # False: its egress policy died with an earlier worker process
+    crashed: bool = False  # its VMM is gone, its disk is here: a create boots it again
+    rebooted: bool = False  # its VMM died once and it was booted again from its disk
+    idle_s: float = 0.0  # since its last exec, file or ingress call (0 while one is open)
+
+
+class Resources(Answer):
+    vcpus: int
+    memory_mib: int
+    disk_mib: int = 0
+
+
+class Health(Answer):
+    """GET /health: the worker's VMs, capacity and use, and whether it can take work."""
+
+    worker_id: str
+    instance: str = ""
+    epoch: int = 0  # the newest leader epoch this worker has seen
+    healthy: bool = True
+    problems: list[str] = Field(default_factory=list)  # why it is not healthy, if it is not
+    vms: list[VMReport] = Field(default_factory=list)
+    capacity: Resources
+    used: Resources
+    overhead_mib: int = 0  # what a VMM costs beyond its guest's RAM, measured
+    admit_memory: Literal["measured", "guest"] = "measured"  # how `used.memory_mib` counts
+    ksm_saved_mib: int | None = None  # guest memory KSM merged away; None: no KSM here
+    mem_available_mib: int | None = None
+    disk_free_mib: int | None = None
+
+
+class Reconcile(Strict):
+    keep: list[str] = Field(max_length=100_000)
+
+
+class Reconciled(Answer):
+    removed: list[str]
+
+
+# --- templates --------------------------------------------------------------------------------
+
+
+class BuildRequest(Strict):
+    spec: str = Field(min_length=1, max_length=1 << 20)
+    context: str = Field("", max_length=MAX_CONTEXT_B64, description="base64 of a tar")
+    environ: Env = Field(default_factory=dict, max_length=64)
+    # The same request again (a controller retrying after a crash) gets the same build.
+    request_id: str = Field("", max_length=64)
+
+
+class BuildStatus(Answer):
+    id: str
+    name: str
+    state: Literal["building", "ready", "failed"]
+    error: str | None = None
+    record: dict[str, Any] | None = None
+
+
+# --- data plane -------------------------------------------------------------------------------
+
+
+class ExecRequest(Strict):
+    cmd: str | None = Field(None, min_length=1, pattern=r"^[^\x00]*$")
+    argv: list[Annotated[str, Field(pattern=r"^[^\x00]*$")]] | None = Field(None, min_length=1)
+    env: Env = Field(default_factory=dict, max_length=256)
+    cwd: str | None = Field(None, pattern=r"^/[^\x00]*$", max_length=MAX_PATH)
+    user: (
+        Annotated[str, Field(min_length=1, max_length=64)] | Annotated[int, Field(ge=0)] | None
+    ) = None
+    timeout: float | None = Field(None, gt=0)
+    stdin: bytes | None = Field(None, description="base64")
+    pty: bool = False
+    rows: int = Field(24, ge=1, le=1000)
+    cols: int = Field(80, ge=1, le=1000)
+
+    @field_validator("stdin", mode="before")
+    @classmethod
+    def decode_stdin(cls, value: object) -> object:
+        if value is None or isinstance(value, bytes):
+            return value
+        if not isinstance(value, str):
+            raise ValueError("stdin must be a base64 string")
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("stdin is not valid base64") from None
+
+    @model_validator(mode="after")
+    def one_command(self) -> ExecRequest:
+        if (self.cmd is None) == (self.argv is None):
+            raise ValueError("give exactly one of 'cmd' (a shell command) or 'argv' (a list)")
+        return self
+
+    @property
+    def command(self) -> str | list[str]:
+        return self.cmd if self.cmd is not None else list(self.argv or [])
+
+    def wire(self) -> dict[str, Any]:
+        """The body as JSON sends it (stdin base64 again)."""
+        body = self.model_dump(exclude_none=True)
+        if self.stdin is not None:
+            body["stdin"] = base64.b64encode(self.stdin).decode()
+        return body
+
+
+class ExecStart(Answer):
+    type: Literal["start"] = "start"
+    pid: int
+
+
+class ExecOutput(Answer):
+    type: Literal["stdout", "stderr"]
+    data: str  # base64
+
+    @property
+    def raw(self) -> bytes:
+        return base64.b64decode(self.data)
+
+
+class ExecExit(Answer):
+    type: Literal["exit"] = "exit"
+    exit_code: int | None
+    signal: int | None = None
+    timed_out: bool = False
+    duration_ms: float = 0.0
+
+
+class ExecFailed(Answer):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    status: int | None = None
+
+
+ExecEvent = Annotated[ExecStart | ExecOutput | ExecExit | ExecFailed, Field(discriminator="type")]
+
+
+class FileEntry(Answer):
+    name: str
+    path: str
+    type: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime: float
+    target: str | None = None
+
+
+class FileList(Answer):
+    entries: list[FileEntry]
+
+
+class WriteResult(Answer):
+    size: int
+
+
+class AuditItems(Answer):
+    items: list[dict[str, Any]]
+
+
+class VMStats(Answer):
+    """GET /vms/{id}/stats: what a live VM uses, measured on the host (its VMM process, its
+    disk on the pool, its tap), never reported by the guest."""
+
+    id: str
+    state: VMState
+    at: float  # unix time of the measurement
+    vcpus: int
+    memory_mib: int  # the guest RAM it was given
+    cpu_seconds: float  # the VMM process's user + system time
+    memory_bytes: int  # the VMM process's proportional set size
+    disk_bytes: int  # allocated on the pool by its disk
+    net_rx_bytes: int | None = None  # None: the VM has no NIC
+    net_tx_bytes: int | None = None

@@ -1,0 +1,64 @@
+"""A TCP connection to a port inside a guest, bridged onto a WebSocket (see `TCP_EOF` in
+`space.worker.api.models` for the protocol): how ingress reaches a service a sandbox runs,
+streamed both ways with the agent's backpressure, never buffered whole."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from space.worker.agent_client import AgentClient, AgentError, TcpStream
+from space.worker.api.models import TCP_EOF, TCP_FRAME
+
+CONNECT_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 300.0  # a connection that moves no byte either way for this long is ended
+REFUSED = {"connection_refused": 502, "timeout": 504}
+
+
+async def bridge(ws: WebSocket, agent: AgentClient, port: int) -> None:
+    await ws.accept()
+    try:
+        stream = await agent.tcp_connect(
+            port, connect_timeout=CONNECT_TIMEOUT_S, idle_timeout=IDLE_TIMEOUT_S
+        )
+    except AgentError as e:
+        status = REFUSED.get(e.code, 502)
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            await ws.close(code=4000 + status, reason=f"port {port}: {e.message}"[:120])
+        return
+    async with stream:
+        down = asyncio.ensure_future(_down(ws, stream))
+        up = asyncio.ensure_future(_up(ws, stream))
+        try:
+            await down  # the guest's side ended (or broke): nothing more to send
+        finally:
+            up.cancel()
+            with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, AgentError):
+                await up
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+        await ws.close(code=1000)
+
+
+async def _down(ws: WebSocket, stream: TcpStream) -> None:
+    try:
+        async for data in stream:
+            for i in range(0, len(data), TCP_FRAME):
+                await ws.send_bytes(data[i : i + TCP_FRAME])
+    except AgentError as e:
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            await ws.close(code=4502, reason=f"the connection broke: {e.message}"[:120])
+        raise WebSocketDisconnect(4502) from None
+
+
+async def _up(ws: WebSocket, stream: TcpStream) -> None:
+    while True:
+        message = await ws.receive()
+        if message["type"] == "websocket.disconnect":
+            await stream.close()
+            return
+        if message.get("bytes"):
+            await stream.write(message["bytes"])
+        elif message.get("text") == TCP_EOF:
+            await stream.close_write()

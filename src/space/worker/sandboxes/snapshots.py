@@ -1,0 +1,141 @@
+"""Base snapshots: one per (template, vCPUs, memory) shape, which every create of that shape
+restores instead of booting.
+
+The first create of a shape boots a VM under `building/`, sets it up as every sandbox of the
+template starts (the gateway's CA, the template's service), snapshots it into a hidden
+directory of `base/`, writes down what it was made from and renames it into place: a crash
+leaves no half-made snapshot that a restore could pick up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from space.gateway.policy import Policy
+from space.worker.api.models import VOLUME_SLOTS
+from space.worker.machine import BootImages, Machine
+from space.worker.network import GUEST_MAC
+from space.worker.sandboxes import guest
+from space.worker.sandboxes.records import Layout, fsync_tree, rename_durable, write_durable
+from space.worker.sandboxes.volumes import Volumes
+from space.worker.storage.pool import Pool
+from space.worker.templates import TemplateRecord
+from space.worker.vmm.base import Driver, SnapshotInfo, VMMError
+
+log = logging.getLogger(__name__)
+
+IMAGES_FILE = "images.json"
+NetworkFor = Callable[[str, Policy], AbstractAsyncContextManager[int | None]]
+
+
+class KeyedLock:
+    """One asyncio.Lock per key, dropped once nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+class BaseSnapshots:
+    def __init__(
+        self,
+        driver: Driver,
+        pool: Pool,
+        layout: Layout,
+        volumes: Volumes,
+        network: NetworkFor,
+        ca_pem: Callable[[], Awaitable[bytes]] | None,
+    ) -> None:
+        self.driver = driver
+        self.pool = pool
+        self.layout = layout
+        self.volumes = volumes
+        self.network = network  # the network a build VM gets (a NIC when sandboxes have one)
+        self.ca_pem = ca_pem  # None when VMs have no network
+        self._locks = KeyedLock()
+
+    def clean(self) -> None:
+        for tmp in self.layout.base.glob(".*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def drop(self, path: Path) -> None:
+        """Forget a base snapshot that failed to restore: the next create builds it again."""
+        shutil.rmtree(path, ignore_errors=True)
+
+    async def remove_template(self, name: str) -> None:
+        for snap in self.layout.base.iterdir():
+            if snap.name.rsplit("-", 2)[0] == name:
+                await asyncio.to_thread(shutil.rmtree, snap, True)
+
+    async def get(
+        self, template: str, vcpus: int, memory_mib: int, images: BootImages,
+        record: TemplateRecord | None,
+    ) -> tuple[SnapshotInfo, bool]:  # fmt: skip
+        """The base snapshot for this shape, and whether it had to be built just now."""
+        key = f"{template}-{vcpus}-{memory_mib}"
+        path = self.layout.base / key
+        made_from = _images_record(images, nic=self.ca_pem is not None)
+        async with self._locks.hold(key):
+            with contextlib.suppress(OSError, ValueError, VMMError):
+                if json.loads((path / IMAGES_FILE).read_text()) == made_from:
+                    return SnapshotInfo.load(path), False
+                log.info("base snapshot %s was made from other images; rebuilding it", key)
+            started = time.perf_counter()
+            build_id = f"base-{key}-{uuid.uuid4().hex[:6]}"
+            # A NIC too when sandboxes get one (a restore needs the same devices); no egress.
+            async with self.network(build_id, Policy()) as tap_fd:
+                machine = await Machine.boot(
+                    self.driver, self.pool, images, vm_id=build_id, vcpus=vcpus,
+                    memory_mib=memory_mib, vms_dir=self.layout.building,
+                    drives=await self.volumes.drives(()), tap_fd=tap_fd,
+                    guest_mac=GUEST_MAC if tap_fd is not None else None,
+                )  # fmt: skip
+                tmp = self.layout.base / f".{key}.{uuid.uuid4().hex[:8]}"
+                try:
+                    async with machine:
+                        if self.ca_pem is not None:
+                            await guest.install_ca(machine, await self.ca_pem())
+                        if record is not None:
+                            await guest.start_service(machine, record)
+                        await machine.snapshot(tmp)
+                    write_durable(tmp / IMAGES_FILE, json.dumps(made_from))
+                    await asyncio.to_thread(fsync_tree, tmp)
+                    shutil.rmtree(path, ignore_errors=True)
+                    rename_durable(tmp, path)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+            log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
+            return SnapshotInfo.load(path), True
+
+
+def _images_record(images: BootImages, nic: bool) -> dict[str, Any]:
+    record: dict[str, Any] = {k: str(v) if v is not None else None
+                              for k, v in asdict(images).items()}  # fmt: skip
+    record["volume_slots"] = VOLUME_SLOTS  # the devices a restore must match
+    record["nic"] = nic
+    return record

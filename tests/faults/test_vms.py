@@ -1,0 +1,82 @@
+"""Faults of one VM: its VMM frozen, or killed. Recovery never deletes a sandbox's data."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from ..leaks import POOL
+from ..platform.helpers import counter_runs, create, run, start_counter
+from ..stack import Platform
+from ..vm.conftest import vmm_pids
+from .conftest import record, until
+
+pytestmark = pytest.mark.vm
+
+
+def vmm_of(platform: Platform, sid: str) -> int:
+    found = vmm_pids(POOL / "workers" / platform.worker_id / "vms" / sid)
+    assert len(found) == 1, f"VMMs of {sid}: {found}\n{platform.logs()}"
+    return found.pop()
+
+
+def state(c: httpx.Client, sid: str) -> dict[str, object]:
+    return dict(c.get(f"/v1/sandboxes/{sid}").json())
+
+
+def test_a_frozen_vmm_is_reported_and_comes_back_untouched(platform: Platform) -> None:
+    with platform.client() as c:
+        sid = create(c)["id"]
+        pid = start_counter(c, sid)
+        vmm = vmm_of(platform, sid)
+        os.kill(vmm, signal.SIGSTOP)
+        try:
+            seen = until(lambda: state(c, sid)["state"] == "error", 30)
+            record("VMM frozen (SIGSTOP)", "its sandbox shows it", 10.0, seen)
+            assert "does not answer" in str(state(c, sid)["reason"])
+            started = time.monotonic()
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "true"})
+            assert r.status_code == 409, r.text
+            record("exec on a frozen VM", "refused at once, not held", 2.0,
+                   time.monotonic() - started)  # fmt: skip
+        finally:
+            os.kill(vmm, signal.SIGCONT)
+        back = until(lambda: state(c, sid)["state"] == "running", 30)
+        record("VMM continued (SIGCONT)", "its sandbox back to running", 10.0, back)
+        assert vmm_of(platform, sid) == vmm, "never killed for being slow"
+        assert counter_runs(c, sid, pid)
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_killed_vmm_is_booted_again_from_its_own_disk(platform: Platform) -> None:
+    with platform.client() as c:
+        sid = create(c)["id"]
+        run(c, sid, "echo kept > /root/kept && sync")
+        pid = start_counter(c, sid)
+        vmm = vmm_of(platform, sid)
+        boot = state(c, sid)["boot"]
+        os.kill(vmm, signal.SIGKILL)
+        killed = time.monotonic()
+        until(lambda: _rebooted(c, sid), 60)
+        record("VMM killed (kill -9)", "booted again from its disk, running", 10.0,
+               time.monotonic() - killed)  # fmt: skip
+        assert vmm_of(platform, sid) != vmm
+        assert run(c, sid, "cat /root/kept")[0] == b"kept\n", "its files are kept"
+        assert run(c, sid, f"kill -0 {pid}")[2] != 0, "its processes are not"
+        events = c.get(f"/v1/sandboxes/{sid}/events").json()["items"]
+        said = [e["reason"] for e in events if e["to_state"] == "starting" and e["reason"]]
+        assert said and "files are kept" in said[-1] and "killed by signal 9" in said[-1], events
+        assert state(c, sid)["boot"] == boot, "how it first came to run is kept"
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def _rebooted(c: httpx.Client, sid: str) -> bool:
+    sb = state(c, sid)
+    if sb["state"] != "running":
+        return False
+    events = c.get(f"/v1/sandboxes/{sid}/events").json()["items"]
+    return any(e["to_state"] == "starting" and "again" in (e["reason"] or "") for e in events)

@@ -1,0 +1,91 @@
+"""What the host reads from an agent is bounded: a run's output, a listing; and the platform's
+duties that change a machine are refused by an agent that is not a VM's init."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from space.guest import protocol as p
+from space.worker.agent_client import AgentClient, AgentError
+
+from .conftest import AgentProcess
+
+
+async def test_a_flooding_run_is_cut_off_at_the_cap(
+    agent: AgentClient, agent_process: AgentProcess
+) -> None:
+    r = await agent.run(["yes", "flood"], timeout=30)
+    assert r.truncated and r.signal == signal.SIGKILL and not r.timed_out
+    assert len(r.stdout) == 1 << 20 and r.stdout.startswith(b"flood\nflood\n")
+    # The first stream past the cap ends the process: the other has what it had by then.
+    r = await agent.run("yes out & yes err >&2; wait", max_output=4096, timeout=30)
+    assert r.truncated and 4096 in (len(r.stdout), len(r.stderr))
+    assert len(r.stdout) <= 4096 and len(r.stderr) <= 4096
+    assert agent_process.rss_kib() < 200_000
+
+
+async def test_output_up_to_the_cap_is_whole(agent: AgentClient) -> None:
+    r = await agent.run(["head", "-c", "5000", "/dev/zero"], max_output=5000)
+    assert (r.exit_code, r.truncated, len(r.stdout)) == (0, False, 5000)
+
+
+async def test_a_run_has_a_deadline_past_its_timeout(agent: AgentClient) -> None:
+    r = await agent.run(["sleep", "30"], timeout=0.5)
+    assert r.timed_out and r.duration_ms < 5000
+
+
+async def test_listings_are_capped_by_count_and_by_size(agent: AgentClient, tmp_path: Path) -> None:
+    for i in range(30):
+        (tmp_path / f"f{i:02}").write_bytes(b"")
+    listing = await agent.scan_dir(str(tmp_path), limit=10)
+    assert listing.truncated and len(listing.entries) == 10
+    names = [e["name"] for e in listing.entries]
+    assert names == sorted(names)
+    whole = await agent.scan_dir(str(tmp_path))
+    assert not whole.truncated and len(whole.entries) == 30
+    # Long link targets: 200 entries of ~4 KiB each cannot fit one reply; it stops short.
+    long = tmp_path / "long"
+    long.mkdir()
+    for i in range(200):
+        (long / f"l{i:03}").symlink_to("x" * 4000)
+    listing = await agent.scan_dir(str(long), limit=10_000)
+    assert listing.truncated and 0 < len(listing.entries) < 200
+    with pytest.raises(AgentError, match="limit"):
+        await agent.scan_dir(str(tmp_path), limit=10_001)
+
+
+async def test_machine_changing_duties_are_refused_outside_a_vm(agent: AgentClient) -> None:
+    for op, args in (
+        ("mount_volumes", {"volumes": []}),
+        ("unmount", {"targets": ["/mnt"]}),
+        ("grow_root_fs", {}),
+        ("seal_root_fs", {}),
+        ("install_ca", {"pem": "x"}),
+    ):
+        with pytest.raises(AgentError, match="only works inside a VM") as e:
+            await agent.call(op, **args)
+        assert e.value.code == "invalid"
+
+
+async def test_sync_everything_or_the_file_systems_of_some_paths(
+    agent: AgentClient, tmp_path: Path
+) -> None:
+    await agent.sync()
+    await agent.sync([str(tmp_path), "/"])
+    (tmp_path / "link").symlink_to(tmp_path)
+    with pytest.raises(AgentError, match="symbolic link") as e:
+        await agent.sync([str(tmp_path / "link")])
+    assert e.value.code == "invalid"
+    with pytest.raises(AgentError) as e:
+        await agent.sync([str(tmp_path / "missing")])
+    assert e.value.code == "not_found"
+
+
+async def test_the_agent_never_sends_a_reply_the_host_would_refuse(agent: AgentClient) -> None:
+    """An error message that would make the reply too large comes back as a short error."""
+    with pytest.raises(AgentError) as e:
+        await agent.call("stat", path="/" + "x" * (p.MAX_JSON + 10))
+    assert "the reply would be" in e.value.message and len(e.value.message) < 200

@@ -1,0 +1,306 @@
+"""The whole platform, for real: embedded PostgreSQL, API, controller and workers as processes.
+
+Each service runs as its own `space` process so tests can `kill -9` any of them. The database is
+a throwaway embedded server; workers get ids of their own, so their VMs and disks never mix with
+another deployment's on the same host. With `tls`, the control plane and its workers speak
+mutual TLS: each worker joins with a one-time token for its certificate of the stack's worker CA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from space.db import embedded, migrate
+from space.db import tables as t
+from space.db.store import Store, connect
+from space.pki import make_ca
+from space.worker import netsetup
+
+from .network.world import DNS_IP, World, cleanup
+from .vm.conftest import vmm_pids
+
+SPACE = [sys.executable, "-m", "space.cli.main"]
+POOL = Path("/var/lib/space/pool/workers")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Service:
+    """One platform process that a test can kill and start again."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [*SPACE, *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@dataclass
+class Platform:
+    api_url: str
+    database_url: str
+    key_a: str
+    key_b: str
+    admin_key: str
+    controller_metrics: str
+    metrics_token: str
+    internet: World
+    api: Service
+    controller: Service
+    workers: dict[str, Service] = field(default_factory=dict)
+    worker_metrics: dict[str, str] = field(default_factory=dict)  # worker id: metrics URL
+    env: dict[str, str] = field(default_factory=dict)
+    tmp: Path = Path()
+
+    def add_worker(self, worker_id: str, **env: str) -> Service:
+        """A worker; under mutual TLS it joins with a token of its own (`env` may say
+        otherwise)."""
+        port = free_port()
+        metrics = f"127.0.0.1:{free_port()}"
+        # The worker CA's key stays with the control plane.
+        own = {k: v for k, v in self.env.items() if k != "SPACE_WORKER_CA_DIR"}
+        own["SPACE_WORKER_METRICS"] = metrics
+        if "SPACE_WORKER_CA_DIR" in self.env:
+            token = self.tmp / f"join-{worker_id}"
+            token.write_text(asyncio.run(_join_token(self.database_url, worker_id)))
+            own.update(SPACE_WORKER_TLS="1", SPACE_CONTROL_URL=self.api_url,
+                       SPACE_WORKER_JOIN_TOKEN_FILE=str(token))  # fmt: skip
+        svc = Service(
+            f"worker-{worker_id}",
+            ["worker", "--id", worker_id, "--port", str(port)],
+            {**own, **env},
+            self.tmp / f"worker-{worker_id}.log",
+        )
+        self.worker_metrics[worker_id] = f"http://{metrics}/metrics"
+        svc.start()
+        self.workers[worker_id] = svc
+        return svc
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Stop a worker and take away whatever it left: its VMs, disks, snapshots, networks."""
+        self.workers.pop(worker_id).stop()
+        for pid in vmm_pids(POOL / worker_id):
+            os.kill(pid, signal.SIGKILL)
+        asyncio.run(netsetup.remove_networks(worker_id, POOL / worker_id, Path("/var/lib/space")))
+        shutil.rmtree(POOL / worker_id, ignore_errors=True)
+
+    @property
+    def worker_id(self) -> str:
+        """The platform's first worker."""
+        return next(iter(self.workers))
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.api_url,
+            headers={"Authorization": f"Bearer {key or self.key_a}"},
+            timeout=300,
+        )
+
+    def wait_api(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.api_url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"API did not come up; see {self.api.log}")
+
+    def wait_worker(self, timeout: float = 120) -> None:
+        """Until a worker has registered and can take sandboxes."""
+
+        async def ready() -> int:
+            store = Store(connect(self.database_url, pool_size=1))
+            try:
+                return await store.ready_workers()
+            finally:
+                await store.close()
+
+        deadline = time.monotonic() + timeout
+        while asyncio.run(ready()) == 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no worker registered; see {self.tmp}")
+            time.sleep(0.2)
+
+    def rows(self, ids: Iterable[str]) -> list[dict[str, object]]:
+        """The database's rows of these sandboxes (state, desired state, pool, tenant, reason):
+        what a failure needs to say about VMs it finds."""
+
+        async def read() -> list[dict[str, object]]:
+            store = Store(connect(self.database_url, pool_size=1))
+            try:
+                async with store.engine.connect() as c:
+                    s = t.sandboxes.c
+                    q = sa.select(s.id, s.state, s.desired_state, s.pool, s.tenant_id, s.reason,
+                                  s.updated_at).where(s.id.in_(list(ids)))  # fmt: skip
+                    return [dict(r) for r in (await c.execute(q)).mappings()]
+            finally:
+                await store.close()
+
+        return asyncio.run(read())
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log")
+        )
+
+
+async def _join_token(url: str, worker_id: str) -> str:
+    store = Store(connect(url, pool_size=1))
+    try:
+        return await store.create_join_token(worker_id, timedelta(minutes=10))
+    finally:
+        await store.close()
+
+
+async def _bootstrap(url: str) -> tuple[str, str, str]:
+    """Keys of tenants A and B, and an admin key of a third tenant."""
+    store = Store(connect(url))
+    try:
+        await migrate.upgrade(store.engine)
+        await store.ensure_template("base")
+        a = await store.create_tenant(f"a-{secrets.token_hex(4)}")
+        b = await store.create_tenant(f"b-{secrets.token_hex(4)}")
+        ops = await store.create_tenant(f"ops-{secrets.token_hex(4)}")
+        return (
+            await store.create_api_key(a.id),
+            await store.create_api_key(b.id),
+            await store.create_api_key(ops.id, admin=True),
+        )
+    finally:
+        await store.close()
+
+
+def launch(tmp: Path, tls: bool = False) -> Platform:
+    """A whole platform of real processes, with a local internet for its gateways."""
+    if os.geteuid() != 0:
+        pytest.fail("the platform tests need root")
+    # A small "internet" of namespaces (DNS, HTTP and HTTPS origins) for the gateways.
+    internet = World(tmp / "internet")
+    cleanup()
+    internet.directory.mkdir()
+    internet._internet()
+    assert internet.origin_ca is not None
+    pgdata = tmp / "pg"
+    url = embedded.start(pgdata)
+    key_a, key_b, admin_key = asyncio.run(_bootstrap(url))
+    port = free_port()
+    metrics = f"127.0.0.1:{free_port()}"
+    metrics_token = secrets.token_urlsafe(16)
+    env = {
+        **os.environ,
+        "SPACE_DATABASE_URL": url,
+        "SPACE_WORKER_SECRET": secrets.token_urlsafe(24),
+        "SPACE_WORKER_LOST_AFTER": "3",
+        "SPACE_LEASE_TTL": "6",
+        "SPACE_CLAIM_GRACE": "4",
+        "SPACE_WORKER_VCPUS": "64",
+        "SPACE_WORKER_MEMORY_MIB": "16384",
+        # Tenants A and B hold many sandboxes over a session; quotas get a tenant of their own.
+        "SPACE_QUOTA_SANDBOXES": "1000",
+        "SPACE_QUOTA_VCPUS": "1000",
+        "SPACE_QUOTA_MEMORY_MIB": "1000000",
+        "SPACE_QUOTA_DISK_MIB": "100000000",
+        "SPACE_CONTROLLER_METRICS": metrics,
+        "SPACE_METRICS_TOKEN": metrics_token,
+        "SPACE_GATEWAY_UPSTREAM_DNS": DNS_IP,
+        "SPACE_GATEWAY_UPSTREAM_CA": str(internet.origin_ca),
+        # A line per request and per step, each naming its request (tests/platform/test_logs).
+        "SPACE_LOG_FORMAT": "json",
+        "SPACE_LOG_LEVEL": "info",
+    }
+    if tls:
+        env["SPACE_WORKER_CA_DIR"] = str(tmp / "worker-ca")
+        make_ca(tmp / "worker-ca" / "ca.pem", tmp / "worker-ca" / "ca.key", "SPACE worker CA")
+    p = Platform(
+        api_url=f"http://127.0.0.1:{port}",
+        database_url=url,
+        key_a=key_a,
+        key_b=key_b,
+        admin_key=admin_key,
+        controller_metrics=f"http://{metrics}/metrics",
+        metrics_token=metrics_token,
+        internet=internet,
+        api=Service("api", ["api", "--port", str(port)], env, tmp / "api.log"),
+        controller=Service("controller", ["controller"], env, tmp / "controller.log"),
+        env=env,
+        tmp=tmp,
+    )
+    p.controller.start()
+    p.api.start()
+    p.wait_api()
+    p.add_worker(f"t{secrets.token_hex(3)}")  # under TLS it joins through the API
+    p.wait_worker()
+    return p
+
+
+def shut_down(p: Platform) -> None:
+    # Delete what the tests left, so their VMs and disks go too.
+    try:
+        with p.client() as c:
+            for key in (p.key_a, p.key_b):
+                c.headers["Authorization"] = f"Bearer {key}"
+                for sb in c.get("/v1/sandboxes", params={"limit": 500}).json()["items"]:
+                    if sb["state"] != "deleted":
+                        c.delete(f"/v1/sandboxes/{sb['id']}")
+    except httpx.HTTPError:
+        pass
+    for svc in (p.api, p.controller):
+        svc.stop()
+    for wid in list(p.workers):
+        p.remove_worker(wid)
+    pgdata = p.tmp / "pg"
+    embedded.stop(pgdata)
+    shutil.rmtree(pgdata, ignore_errors=True)
+    asyncio.run(p.internet.stop())
