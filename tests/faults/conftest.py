@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+import httpx
 import pytest
 
 from ..stack import Platform, Service
@@ -92,4 +93,15 @@ def restarted(svc: Service, **env: str) -> Iterator[Service]:
 
 @pytest.fixture
 def worker(platform: Platform) -> Service:
-    return platform.workers[platform.worker_id]
+    """The platform's first worker, listening and shown active (an earlier test may have just
+    restarted it)."""
+    svc = platform.workers[platform.worker_id]
+    until(lambda: listening(svc), 60)
+    with platform.client(platform.admin_key) as admin:
+        until(lambda: _active(admin, platform.worker_id), 30)
+    return svc
+
+
+def _active(admin: httpx.Client, worker_id: str) -> bool:
+    items = admin.get("/v1/workers").json()["items"]
+    return any(w["id"] == worker_id and w["state"] == "active" for w in items)

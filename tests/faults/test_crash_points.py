@@ -29,6 +29,13 @@ def _state(c: httpx.Client, sid: str) -> str:
     return str(c.get(f"/v1/sandboxes/{sid}").json()["state"])
 
 
+def _asked(c: httpx.Client, method: str, path: str) -> int:
+    """Ask without waiting; the status, 2xx unless the request was refused."""
+    r = c.request(method, path, params={"wait": "false"})
+    assert r.status_code < 300, r.text
+    return r.status_code
+
+
 def _died(svc: Service) -> bool:
     return svc.proc is not None and svc.proc.poll() is not None
 
@@ -54,15 +61,18 @@ def test_a_worker_killed_at_a_step_loses_nothing(
             assert c.post(f"/v1/sandboxes/{sid}/suspend").json()["state"] == "suspended"
         with restarted(worker, SPACE_CRASH_AT=step):
             until(lambda: listening(worker), 60)
+            if sid:  # (a slow restart can have shown the worker lost meanwhile)
+                was = "suspended" if verb == "resume" else "running"
+                until(lambda: _state(c, sid) == was, 30, why=lambda: _state(c, sid))
             if verb == "create":
                 r = c.post("/v1/sandboxes", params={"wait": "false"}, json={})
                 assert r.status_code in (201, 202), r.text
                 sid = r.json()["id"]
             elif verb == "delete":
-                c.delete(f"/v1/sandboxes/{sid}", params={"wait": "false"})
+                assert _asked(c, "DELETE", f"/v1/sandboxes/{sid}") < 300
             else:
-                c.post(f"/v1/sandboxes/{sid}/{verb}", params={"wait": "false"})
-            until(lambda: _died(worker), 60)
+                assert _asked(c, "POST", f"/v1/sandboxes/{sid}/{verb}") < 300
+            until(lambda: _died(worker), 60, why=lambda: f"{_state(c, sid)}\n{platform.logs()}")
         # The worker is back without its crash point.
         converged = until(
             lambda: _state(c, sid) == SETTLED[verb], 90, step=0.2,

@@ -20,6 +20,7 @@ from space.worker.agent_client import (
 from space.worker.local import LocalRuntime
 from space.worker.machine import Machine
 from space.worker.vmm.base import SnapshotInfo, VMState
+from space.worker.vmm.process import VMM_NICE
 
 from .conftest import leftovers, vmm_pids
 
@@ -121,6 +122,17 @@ async def test_boot_token_on_the_kernel_command_line_is_dead(machine: Machine) -
     finally:
         await machine.reconnect()
     assert (await machine.agent.run(["true"])).exit_code == 0
+
+
+async def test_every_vmm_thread_yields_to_the_platform(machine: Machine) -> None:
+    """vCPU threads made after start-up are niced too, so a host whose guests burn every core
+    still answers its probes (the nice is set before exec, so every thread inherits it)."""
+    pid = machine.status().pid
+    assert pid is not None
+    threads = list(Path(f"/proc/{pid}/task").iterdir())
+    assert len(threads) >= 2, threads  # the main thread and at least a vCPU thread
+    nices = {t.name: int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in threads}
+    assert set(nices.values()) == {VMM_NICE}, nices
 
 
 async def test_killed_vmm_is_detected_and_nothing_leaks(runtime: LocalRuntime) -> None:

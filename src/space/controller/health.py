@@ -2,8 +2,9 @@
 
 Every second the leader asks every worker for its health, all at once, each with a deadline of
 its own, so one slow or frozen worker delays nobody. A worker that has not answered for
-`worker_lost_after_s` is lost: its sandboxes show it (state `error`, why, and the state they
-were in); when it answers again they go back to the states its VMs report. Liveness is the
+`worker_lost_after_s`, and to at least two probes in a row (a leader that itself stalled has not
+seen its workers fall silent), is lost: its sandboxes show it (state `error`, why, and the state
+they were in); when it answers again they go back to the states its VMs report. Liveness is the
 probes', not the database's: a database outage stops nothing here and kills no worker, and a
 new leader starts every worker's clock afresh.
 
@@ -30,6 +31,7 @@ from space.worker.api.models import Health, VMReport
 
 log = logging.getLogger(__name__)
 
+LOST_PROBES = 2
 LIVE = ("starting", "running", "pausing", "paused", "resuming", "suspending")
 REBOOT = "its VM stopped ({}); booting it again from its own disk: files are kept, running " \
          "processes are lost"  # fmt: skip
@@ -51,6 +53,7 @@ class WorkerHealth:
         self.epoch = epoch  # the leader's, checked before every write
         self._known: list[Row] = []
         self._ok: dict[str, float] = {}  # worker id → when it last answered (monotonic)
+        self._missed: dict[str, int] = {}  # worker id → probes unanswered since
         self._started = time.monotonic()
 
     async def once(self) -> None:
@@ -87,6 +90,7 @@ class WorkerHealth:
             await self._unanswered(w, str(e))
             return
         self._ok[w["id"]] = time.monotonic()
+        self._missed[w["id"]] = 0
         if rows is None:
             return
         if w["state"] != "active":
@@ -102,7 +106,8 @@ class WorkerHealth:
     async def _unanswered(self, w: Row, why: str) -> None:
         last = self._ok.get(w["id"], self._started)
         silent = time.monotonic() - last
-        if silent < self.lost_after_s:
+        self._missed[w["id"]] = missed = self._missed.get(w["id"], 0) + 1
+        if silent < self.lost_after_s or missed < LOST_PROBES:
             return
         if w["state"] == "active":
             log.warning("worker %s lost: no answer for %.0f s (%s)", w["id"], silent, why)
