@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field, field_validator
@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, field_validator
 from space import logs
 from space.api.deps import Caller, Svc
 from space.api.errors import APIError
-from space.api.schemas import Sandbox, _check_env
+from space.api.schemas import FromRow, Sandbox, Strict, _check_env
 from space.db.store import NotFound, Refused, Row
 from space.netpolicy import placeholder_env, policy_for
 from space.worker.api.client import Worker, WorkerError
@@ -31,12 +31,11 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["checkpoints"])
 Metadata = dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=512)]]
 
 
-class CheckpointCreate(BaseModel):
-    model_config = {"extra": "forbid"}
+class CheckpointCreate(Strict):
     name: str = Field("", max_length=128, pattern=r"^[^\x00]*$", description="yours, any text")
 
 
-class Checkpoint(BaseModel):
+class Checkpoint(FromRow):
     id: str
     sandbox_id: str
     name: str
@@ -45,17 +44,12 @@ class Checkpoint(BaseModel):
     paused_ms: float | None = Field(description="how long the sandbox was paused to take it")
     created_at: datetime
 
-    @classmethod
-    def from_row(cls, row: Any) -> Checkpoint:
-        return cls.model_validate({k: row[k] for k in cls.model_fields})
-
 
 class CheckpointList(BaseModel):
     items: list[Checkpoint]
 
 
-class ForkCreate(BaseModel):
-    model_config = {"extra": "forbid"}
+class ForkCreate(Strict):
     count: int = Field(1, ge=1, le=MAX_FORK, description="how many children")
     checkpoint: str | None = Field(
         None, max_length=64, description="one of the sandbox's checkpoints, instead of its state"

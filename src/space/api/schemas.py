@@ -5,7 +5,7 @@ from __future__ import annotations
 import posixpath
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,6 +20,14 @@ TimeoutAction = Literal["pause", "suspend", "delete"]
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class FromRow(BaseModel):
+    """An answer made of the database row's columns of the same names."""
+
+    @classmethod
+    def from_row(cls, row: Any) -> Self:
+        return cls.model_validate({k: row[k] for k in cls.model_fields})
 
 
 def _check_env(env: dict[str, str]) -> dict[str, str]:
@@ -124,7 +132,7 @@ class SandboxCreate(Strict):
         return md
 
 
-class Sandbox(BaseModel):
+class Sandbox(FromRow):
     id: str
     state: str
     desired_state: str
@@ -151,10 +159,6 @@ class Sandbox(BaseModel):
         description="how it first came to run: claimed from the warm pool, restored from the "
         "template's base snapshot, booted, or forked from another sandbox; null until it runs"
     )
-
-    @classmethod
-    def from_row(cls, row: Any) -> Sandbox:
-        return cls.model_validate({k: row[k] for k in cls.model_fields})
 
 
 class PoolSettings(Strict):
@@ -273,8 +277,9 @@ class SecretList(BaseModel):
 
 class AuditList(BaseModel):
     items: list[dict[str, Any]] = Field(
-        description="the gateway's decisions for this sandbox, oldest first: at, kind (dns, "
-        "tcp, http, tls…), host, port, verdict (allowed/denied), reason"
+        description="the gateway's decisions for this sandbox, oldest first: seq, time (seconds "
+        "since the epoch), kind (dns, tcp, tls, http, https, policy), decision (allow/deny), "
+        "reason, host, port, address"
     )
 
 
@@ -283,16 +288,12 @@ class VolumeCreate(Strict):
     size_mib: int = Field(1024, ge=16, le=1 << 20)
 
 
-class Volume(BaseModel):
+class Volume(FromRow):
     id: str
     name: str
     size_mib: int
     state: Literal["available", "deleting", "deleted"]
     created_at: datetime
-
-    @classmethod
-    def from_row(cls, row: Any) -> Volume:
-        return cls.model_validate({k: row[k] for k in cls.model_fields})
 
 
 class VolumeList(BaseModel):

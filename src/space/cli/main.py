@@ -28,6 +28,10 @@ COMMANDS = {
         "space.cli.checkpoints:fork",
         "Make running children of a sandbox (it runs on); prints their ids, one a line.",
     ),
+    "mcp": LazyCommand(
+        "space.cli.mcp:mcp",
+        "Serve SPACE's sandboxes to MCP clients (stdio, or streamable HTTP with --http).",
+    ),
     "pool": LazyCommand(
         "space.cli.pools:pool",
         "Warm pools: sandboxes kept restored and ready, so creates of their shape take a claim.",

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         ValidationError,
     )
     from space.client._models import (
+        AuditEvent,
         CheckpointInfo,
         Event,
         ExecResult,
@@ -48,6 +49,7 @@ __all__ = [
     "AsyncFiles",
     "AsyncSandbox",
     "AsyncSpace",
+    "AuditEvent",
     "AuthenticationError",
     "CheckpointInfo",
     "ConflictError",

@@ -33,6 +33,7 @@ from space.client._calls import (
 from space.client._errors import NotFoundError, error_from_response, transport_errors
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
 from space.client._models import (
+    AuditEvent,
     CheckpointInfo,
     Event,
     ExecResult,
@@ -301,6 +302,15 @@ class AsyncSandbox(SandboxBase[AsyncSpace]):
 
     async def events(self) -> builtins.list[Event]:
         return await self._client._call(calls.events(self.id))
+
+    async def set_network(self, network: Mapping[str, Any] | None) -> SandboxInfo:
+        """A new egress policy (`{"default": "deny", "hosts": [{"pattern": "pypi.org"}]}`; None:
+        the deployment's default), in force at once."""
+        return await self._update(calls.set_network(self.id, network))
+
+    async def audit(self, after: int = 0) -> builtins.list[AuditEvent]:
+        """Its gateway's decisions on its egress, oldest first, those numbered after `after`."""
+        return await self._client._call(calls.audit(self.id, after))
 
     async def checkpoint(self, name: str = "") -> CheckpointInfo:
         """Memory and disk as they are now (volumes left out), taken while it runs on."""

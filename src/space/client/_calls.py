@@ -24,6 +24,7 @@ from space import __version__
 from space.client._config import resolve_credentials
 from space.client._errors import SpaceError
 from space.client._models import (
+    AuditEvent,
     CheckpointInfo,
     Event,
     FileEntry,
@@ -267,6 +268,24 @@ def events(sandbox_id: str) -> Call[list[Event]]:
         "GET",
         _sandbox(sandbox_id, "/events"),
         _json(lambda data: [Event.from_json(item) for item in data["items"]]),
+    )
+
+
+def set_network(sandbox_id: str, network: Mapping[str, Any] | None) -> Call[SandboxInfo]:
+    return Call(
+        "PUT",
+        _sandbox(sandbox_id, "/network"),
+        _json(SandboxInfo.from_json),
+        body={"network": network},
+    )
+
+
+def audit(sandbox_id: str, after: int) -> Call[list[AuditEvent]]:
+    return Call(
+        "GET",
+        _sandbox(sandbox_id, "/audit"),
+        _json(lambda data: [AuditEvent.from_json(item) for item in data["items"]]),
+        params=[("after", str(after))],
     )
 
 

@@ -61,6 +61,12 @@ def resolve_credentials(api_url: str | None = None, api_key: str | None = None) 
     return Credentials(url, key)
 
 
+def resolve_api_url(api_url: str | None = None) -> str:
+    """The API's address alone (for what brings its keys with each request)."""
+    found = api_url or os.environ.get(URL_VARIABLE)
+    return found or _read_file(credentials_path()).get("api_url") or DEFAULT_API_URL
+
+
 def save_credentials(credentials: Credentials) -> Path:
     """Writes the credentials file (readable by its owner only) in one step; returns its path."""
     import tempfile  # only here: every CLI command reads this module, few of them write

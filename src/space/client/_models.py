@@ -223,3 +223,31 @@ class Event:
             to_state=data.get("to_state"),
             reason=data.get("reason"),
         )
+
+
+@dataclass(frozen=True)
+class AuditEvent:
+    """One decision of the sandbox's gateway on its egress (`kind`: dns, tcp, tls, http, https,
+    policy; `decision`: allow or deny)."""
+
+    seq: int
+    time: datetime
+    kind: str
+    decision: str
+    reason: str
+    host: str | None
+    port: int | None
+    address: str | None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AuditEvent:
+        return cls(
+            seq=data["seq"],
+            time=_time(data["time"]),
+            kind=data["kind"],
+            decision=data["decision"],
+            reason=data.get("reason", ""),
+            host=data.get("host"),
+            port=data.get("port"),
+            address=data.get("address"),
+        )

@@ -25,6 +25,7 @@ from space.client._calls import (
 from space.client._errors import NotFoundError, error_from_response, transport_errors
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
 from space.client._models import (
+    AuditEvent,
     CheckpointInfo,
     Event,
     ExecResult,
@@ -263,6 +264,15 @@ class Sandbox(SandboxBase[Space]):
 
     def events(self) -> builtins.list[Event]:
         return self._client._call(calls.events(self.id))
+
+    def set_network(self, network: Mapping[str, Any] | None) -> SandboxInfo:
+        """A new egress policy (`{"default": "deny", "hosts": [{"pattern": "pypi.org"}]}`; None:
+        the deployment's default), in force at once."""
+        return self._update(calls.set_network(self.id, network))
+
+    def audit(self, after: int = 0) -> builtins.list[AuditEvent]:
+        """Its gateway's decisions on its egress, oldest first, those numbered after `after`."""
+        return self._client._call(calls.audit(self.id, after))
 
     def checkpoint(self, name: str = "") -> CheckpointInfo:
         """Memory and disk as they are now (volumes left out), taken while it runs on."""

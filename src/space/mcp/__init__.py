@@ -1,0 +1,1 @@
+"""SPACE as an MCP server (`space mcp`): the tools in `tools`, their transports in `server`."""
