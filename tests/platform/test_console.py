@@ -23,7 +23,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 # As root, and with nothing reaching out of this machine.
 ARGS = ["--no-sandbox", "--disable-gpu", "--headless", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
-WAIT_MS = 120_000  # a create or a shell start under TCG on a busy host
+WAIT_MS = 120_000  # a create, a shell start or a build step under TCG on a busy host
+expect.set_options(timeout=WAIT_MS)  # (expect has a clock of its own, 5 s by default)
 VIOLATIONS = """
 window.__violations = [];
 addEventListener("securitypolicyviolation",

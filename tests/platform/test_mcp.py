@@ -19,6 +19,8 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
+import space
+
 from ..stack import Platform, free_port
 from .helpers import FETCH
 
@@ -110,6 +112,12 @@ async def test_an_mcp_client_does_a_whole_task_over_stdio(platform: Platform) ->
             other = await _call(client, "run_command", sandbox_id=sid,
                                 command=f"{fetch_cmd} http://other.test/")  # fmt: skip
             assert other["exit_code"] == 3
+            # The SDK reads the gateway's trail of those decisions.
+            async with space.AsyncSpace(platform.api_url, platform.key_a) as sdk:
+                trail = await (await space.AsyncSandbox.get(sid, client=sdk)).audit()
+            decided = {(e.host, e.decision) for e in trail}
+            assert {("allowed.test", "allow"), ("other.test", "deny")} <= decided, trail
+            assert [e.seq for e in trail] == sorted(e.seq for e in trail)
 
             # A port exposed: its URL answers with the same key, through the API.
             serve = "mkdir -p /srv && echo via-mcp > /srv/i.html && cd /srv && " \
