@@ -13,7 +13,8 @@ sandboxes are created (each answers one exec, then idles) until admission refuse
 then how fast a create the platform cannot place is answered (503 and its reason). The empty
 host (0 running) is the baseline of every ratio.
 
-Run as root:  .venv/bin/python bench/density.py [--max 140] [--json out.json]
+Run as root:  .venv/bin/python bench/density.py [--max 140] [--ksm off|on|both] [--json out.json]
+(SPACE_WORKER_MEMORY_MIB=4096 fills the host after a few dozen, to time the refusals.)
 """
 
 from __future__ import annotations
@@ -105,10 +106,14 @@ def measure(
 
 
 def refusal(p: BenchPlatform, key: str) -> dict[str, Any]:
-    """A create the platform cannot place now: how fast the 503 comes, and what it says."""
-    samples, detail = [], ""
+    """A create the platform cannot place now: how fast the 503 comes, and what it says; beside
+    it, as the baseline, the same API's answer to a read of the tenant's quotas (no worker)."""
+    samples, reads, detail = [], [], ""
     with p.client(key) as c:
-        for _ in range(10):
+        for _ in range(20):
+            t = time.perf_counter()
+            c.get("/v1/quotas").raise_for_status()
+            reads.append(time.perf_counter() - t)
             t = time.perf_counter()
             r = c.post("/v1/sandboxes", json=CREATE)
             samples.append(time.perf_counter() - t)
@@ -116,7 +121,9 @@ def refusal(p: BenchPlatform, key: str) -> dict[str, Any]:
                 c.delete(f"/v1/sandboxes/{r.json()['id']}", params={"wait": "false"})
                 return {"refused": False, "status": r.status_code}
             detail = r.json()["detail"]
-    return {"refused": True, "answer": percentiles(samples), "detail": detail}
+            assert "Retry-After" in r.headers, r.headers
+    return {"refused": True, "answer": percentiles(samples), "baseline_read": percentiles(reads),
+            "detail": detail}  # fmt: skip
 
 
 def phase(mode: str, most: int) -> dict[str, Any]:
@@ -204,8 +211,10 @@ def table(results: dict[str, Any]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, width, strict=True)) for r in rows]
     for ph in results["phases"]:
         full = ph["full"]
-        said = (f"refused at {ph['refused_at']} (503 p50 {full['answer']['p50_ms']:.0f} ms: "
-                f"{full['detail'][:100]})" if full.get("refused") else "never refused")  # fmt: skip
+        said = (f"refused at {ph['refused_at']} (503 p50 {full['answer']['p50_ms']:.0f} ms, "
+                f"p99 {full['answer']['p99_ms']:.0f} ms; a quota read p50 "
+                f"{full['baseline_read']['p50_ms']:.0f} ms: {full['detail'][:100]})"
+                if full.get("refused") else "never refused")  # fmt: skip
         e = ph["exec_rtt_every_idle_sandbox"]
         lines.append(f"ksm {ph['ksm']}: held {ph['held']} idle sandboxes, {said}; exec on every "
                      f"idle one p50 {e['p50_ms']:.0f} ms p99 {e['p99_ms']:.0f} ms")  # fmt: skip
@@ -224,8 +233,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max", type=int, default=140, help="idle sandboxes at most")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--ksm", choices=("off", "on", "both"), default="both")
     args = parser.parse_args()
-    results = {"phases": [phase(mode, args.max) for mode in ("off", "on")]}
+    modes = ("off", "on") if args.ksm == "both" else (args.ksm,)
+    results = {"phases": [phase(mode, args.max) for mode in modes]}
     print(table(results))
     print(json.dumps(results, indent=2, default=str))
     if args.json:

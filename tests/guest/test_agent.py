@@ -119,6 +119,33 @@ async def test_files_round_trip_and_errors(agent: AgentClient, tmp_path: Path) -
     assert (tmp_path / "a" / "b").is_dir()
 
 
+async def test_rename_is_one_step_and_replaces_only_when_asked(
+    agent: AgentClient, tmp_path: Path
+) -> None:
+    (tmp_path / "a").write_bytes(b"first")
+    (tmp_path / "b").write_bytes(b"second")
+    moved = await agent.rename(str(tmp_path / "a"), str(tmp_path / "c"))
+    assert (moved["name"], moved["type"], moved["size"]) == ("c", "file", 5)
+    assert not (tmp_path / "a").exists() and (tmp_path / "c").read_bytes() == b"first"
+    with pytest.raises(AgentError) as e:  # an existing target is kept unless asked
+        await agent.rename(str(tmp_path / "c"), str(tmp_path / "b"))
+    assert e.value.code == "exists" and (tmp_path / "b").read_bytes() == b"second"
+    await agent.rename(str(tmp_path / "c"), str(tmp_path / "b"), overwrite=True)
+    assert (tmp_path / "b").read_bytes() == b"first" and not (tmp_path / "c").exists()
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    assert (await agent.rename(str(tmp_path / "d"), str(tmp_path / "f")))["type"] == "directory"
+    for source, to, code in (
+        (tmp_path / "missing", tmp_path / "x", "not_found"),
+        (tmp_path / "f", tmp_path / "f" / "e" / "inside", "invalid"),
+        (tmp_path / "b", Path("/"), "invalid"),
+    ):
+        with pytest.raises(AgentError) as e:
+            await agent.rename(str(source), str(to))
+        assert e.value.code == code, (source, to, e.value)
+    with pytest.raises(AgentError, match="absolute"):
+        await agent.rename(str(tmp_path / "b"), "relative")
+
+
 async def test_failed_write_leaves_old_file_intact(agent: AgentClient, tmp_path: Path) -> None:
     target = tmp_path / "keep"
     target.write_bytes(b"original")

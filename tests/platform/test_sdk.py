@@ -85,6 +85,21 @@ async def test_async_sdk_streams_and_files(platform: Platform) -> None:
             assert stream.result is not None and stream.result.exit_code == 0
             await sb.files.write("/root/a.txt", "text")
             assert await sb.files.read("/root/a.txt") == b"text"
+            await sb.files.write("/root/b.txt", "other")
+            with pytest.raises(space.ConflictError):  # an existing target is kept
+                await sb.files.rename("/root/a.txt", "/root/b.txt")
+            moved = await sb.files.rename("/root/a.txt", "/root/b.txt", overwrite=True)
+            assert (moved.name, moved.size) == ("b.txt", 4)
+            assert await sb.files.read("/root/b.txt") == b"text"
+            with pytest.raises(space.NotFoundError):
+                await sb.files.read("/root/a.txt")
+            with pytest.raises(space.ValidationError):  # across file systems (/proc here)
+                await sb.files.rename("/root/b.txt", "/proc/b.txt")
+            async with space.AsyncSpace(platform.api_url, platform.key_b) as other:
+                theirs = space.AsyncFiles(other, sb.id)  # another tenant's key moves nothing
+                with pytest.raises(space.NotFoundError):
+                    await theirs.rename("/root/b.txt", "/root/c.txt")
+            assert (await sb.files.stat("/root/b.txt")).size == 4
         finally:
             await sb.delete()
 

@@ -6,6 +6,7 @@ CA are all refused."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import ssl
 import time
 import uuid
@@ -81,6 +82,7 @@ async def world(
         with pytest.raises(asyncio.CancelledError):
             await server
         await vms.close(stop_vms=True)
+        shutil.rmtree(vms.root, ignore_errors=True)
 
 
 async def test_the_control_plane_reaches_the_worker_it_means(world: World) -> None:

@@ -175,6 +175,15 @@ async def remove_file(
     return Response(status_code=204)
 
 
+@router.post("/files/rename", response_model=FileEntry)
+async def rename_file(
+    sandbox_id: str, path: AbsPath, to: AbsPath, svc: Svc, caller: Caller, overwrite: bool = False
+) -> FileEntry:
+    worker = await target(svc, caller.id, sandbox_id)
+    entry = await svc.workers.rename(worker, sandbox_id, path, to, overwrite)
+    return FileEntry.model_validate(entry.model_dump())
+
+
 @router.post("/files/mkdir", response_model=FileEntry)
 async def make_dir(
     sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller, parents: bool = False

@@ -17,8 +17,10 @@ from space.cli.sandbox import _api_options, _sdk_errors
     "carries its own SPACE API key (Authorization: Bearer) and the server holds none.",
 )
 def mcp(api_url: str | None, api_key: str | None, listen: str | None) -> None:
-    """Serve SPACE's sandboxes to MCP clients: tools to create a sandbox, run commands and
-    code, read, write and list files, set its egress, expose a port, and delete it."""
+    """Serve SPACE's sandboxes to MCP clients (stdio, or streamable HTTP with --http).
+
+    Tools to create a sandbox, run commands and code, read, write and list files, set its
+    egress, expose a port, and delete it."""
     from space.client._config import resolve_api_url, resolve_credentials
     from space.mcp import server
 

@@ -241,6 +241,11 @@ class AsyncFiles:
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await self._client._call(calls.remove(self._id, path, recursive))
 
+    async def rename(self, path: str, to: str, *, overwrite: bool = False) -> FileEntry:
+        """`path` becomes `to` in one step; an existing `to` is replaced only with `overwrite`
+        (ConflictError otherwise)."""
+        return await self._client._call(calls.rename(self._id, path, to, overwrite))
+
     async def mkdir(self, path: str, *, parents: bool = False) -> FileEntry:
         return await self._client._call(calls.mkdir(self._id, path, parents))
 

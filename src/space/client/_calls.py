@@ -521,6 +521,15 @@ def remove(sandbox_id: str, path: str, recursive: bool) -> Call[None]:
     )
 
 
+def rename(sandbox_id: str, path: str, to: str, overwrite: bool) -> Call[FileEntry]:
+    return Call(
+        "POST",
+        _sandbox(sandbox_id, "/files/rename"),
+        _json(FileEntry.from_json),
+        params=[("path", path), ("to", to), ("overwrite", _flag(overwrite))],
+    )
+
+
 def mkdir(sandbox_id: str, path: str, parents: bool) -> Call[FileEntry]:
     return Call(
         "POST",

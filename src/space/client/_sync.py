@@ -206,6 +206,11 @@ class Files:
     def remove(self, path: str, *, recursive: bool = False) -> None:
         self._client._call(calls.remove(self._id, path, recursive))
 
+    def rename(self, path: str, to: str, *, overwrite: bool = False) -> FileEntry:
+        """`path` becomes `to` in one step; an existing `to` is replaced only with `overwrite`
+        (ConflictError otherwise)."""
+        return self._client._call(calls.rename(self._id, path, to, overwrite))
+
     def mkdir(self, path: str, *, parents: bool = False) -> FileEntry:
         return self._client._call(calls.mkdir(self._id, path, parents))
 

@@ -175,6 +175,7 @@ class Agent:
             "stat": files.stat_path,
             "remove": files.remove,
             "mkdir": files.mkdir,
+            "rename": files.rename,
             "identity": self.op_identity,
             "shutdown": self.op_shutdown,
             "sync": storage.sync,

@@ -1,8 +1,9 @@
-"""Files in the guest: streamed reads, atomic streamed writes, listing and metadata."""
+"""Files in the guest: streamed reads, atomic streamed writes, listing, metadata, renames."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -10,7 +11,7 @@ import stat
 from typing import TYPE_CHECKING
 
 from . import protocol as p
-from .common import Json, OpError, os_error, path_arg
+from .common import Json, OpError, check_path, os_error, path_arg, str_arg
 
 if TYPE_CHECKING:
     from .agent import Connection
@@ -186,6 +187,50 @@ async def remove(conn: Connection, channel: int, req: Json) -> Json:
     except OSError as e:
         raise os_error(e, path) from None
     return {}
+
+
+RENAME_NOREPLACE = 1
+
+
+def _rename_noreplace(source: str, target: str) -> None:
+    """rename(2) that fails with EEXIST rather than replace `target`, in one step (renameat2);
+    where the C library lacks it, a check first (a guest's own race, at worst)."""
+    try:
+        import ctypes  # only here: the agent starts without it
+
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (ImportError, OSError, AttributeError):
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST)) from None
+        os.rename(source, target)
+        return
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(source), at_fdcwd, os.fsencode(target),
+                 RENAME_NOREPLACE) != 0:  # fmt: skip
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+async def rename(conn: Connection, channel: int, req: Json) -> Json:
+    """`path` becomes `to` in one step (a file or a directory, on one file system); an existing
+    `to` is replaced only with `overwrite`."""
+    path = path_arg(req)
+    target = check_path(str_arg(req, "to"), "to")
+    if os.path.normpath(path) == "/" or os.path.normpath(target) == "/":
+        raise OpError(p.ErrorCode.INVALID, "refusing to rename / or onto /")
+    try:
+        if req.get("overwrite"):
+            os.rename(path, target)
+        else:
+            _rename_noreplace(path, target)
+    except OSError as e:
+        if e.errno == errno.EXDEV:
+            raise OpError(p.ErrorCode.INVALID, f"{path} and {target} are on different file "
+                          "systems (a volume?): copy it instead") from None  # fmt: skip
+        if e.errno == errno.EINVAL:
+            raise OpError(p.ErrorCode.INVALID, f"cannot move {path} into itself") from None
+        raise os_error(e, path if e.errno != errno.EEXIST else target) from None
+    return stat_entry(target)
 
 
 async def mkdir(conn: Connection, channel: int, req: Json) -> Json:

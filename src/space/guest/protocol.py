@@ -35,6 +35,7 @@ Operations ("op", then the request's fields; → the REPLY; ⇄ what flows on th
   list_dir {path, limit? (1-10000, 1000)}  → {entries, truncated}: in name order, at most
         `limit` and as many as fit MAX_JSON
   stat, remove {recursive?}, mkdir {parents?, mode?} {path}  → an entry | {}
+  rename {path, to, overwrite?}      → the entry at `to`; EEXIST (exists) unless overwrite
   identity {time_ns?, entropy?, hostname?, token?}, shutdown   (inside a VM only)
 
 Platform duties: the worker's own work in the guest, built into the agent and done with system

@@ -247,6 +247,9 @@ class AgentClient(AgentConnection):
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await self.call("remove", path=path, recursive=recursive, deadline=120.0)
 
+    async def rename(self, path: str, to: str, *, overwrite: bool = False) -> dict[str, Any]:
+        return await self.call("rename", path=path, to=to, overwrite=overwrite)
+
     async def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755) -> None:
         await self.call("mkdir", path=path, parents=parents, mode=mode)
 

@@ -426,6 +426,16 @@ class WorkerClient:
         params = {"path": path, "recursive": str(recursive).lower()}
         await self._call("DELETE", w, w.vm(vm_id, "files"), None, timeout=STATE_S, params=params)
 
+    async def rename(
+        self, w: Worker, vm_id: str, path: str, to: str, overwrite: bool = False
+    ) -> FileEntry:
+        got = await self._call(
+            "POST", w, w.vm(vm_id, "files", "rename"), FileEntry, timeout=QUICK_S,
+            params={"path": path, "to": to, "overwrite": str(overwrite).lower()},
+        )  # fmt: skip
+        assert got is not None
+        return got
+
     async def mkdir(self, w: Worker, vm_id: str, path: str, parents: bool = False) -> FileEntry:
         got = await self._call(
             "POST", w, w.vm(vm_id, "files", "mkdir"), FileEntry, timeout=QUICK_S,
