@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pty
 import select
@@ -16,6 +17,7 @@ import pytest
 import space
 
 from ..stack import Platform
+from .helpers import FETCH
 
 pytestmark = pytest.mark.vm
 
@@ -180,3 +182,48 @@ def test_cli_shell_is_an_interactive_pty(platform: Platform) -> None:
             assert os.waitstatus_to_exitcode(status) == 7
         finally:
             sb.delete()
+
+
+def test_secrets_egress_and_audit_from_the_sdk_and_the_cli(platform: Platform) -> None:
+    env = {**os.environ, "SPACE_API_URL": platform.api_url, "SPACE_API_KEY": platform.key_a}
+    name, value = f"cli-{os.urandom(3).hex()}", f"v-{os.urandom(8).hex()}"
+
+    def space_cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([sys.executable, "-m", "space.cli.main", *args], env=env,
+                              input=stdin, capture_output=True, timeout=300)  # fmt: skip
+
+    assert space_cli("secret", "set", name, stdin=value.encode() + b"\n").returncode == 0
+    assert space_cli("secret", "set", "empty", stdin=b"").returncode == 2  # a usage error
+    listed = json.loads(space_cli("secret", "ls", "--json").stdout)
+    assert name in {s["name"] for s in listed} and value not in json.dumps(listed)
+    with space.Space(platform.api_url, platform.key_a) as client:
+        assert name in {s.name for s in client.secrets()}
+        with space.Space(platform.api_url, platform.key_b) as other:
+            assert name not in {s.name for s in other.secrets()}  # a tenant's own
+        made = space_cli("sandbox", "create", "--secret", f"{name}:TOKEN:secret.test",
+                         "--allow", "secret.test")  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        sid = made.stdout.decode().split()[0]
+        try:
+            sb = space.Sandbox.get(sid, client=client)
+            held = sb.exec('printf %s "$TOKEN"').text
+            assert held.startswith("space-secret-") and value not in held  # a placeholder only
+            refused = space_cli("secret", "rm", name)  # bound to a live sandbox
+            assert refused.returncode != 0 and b"409" in refused.stderr, refused.stderr
+            assert sb.exec(["python3", "-c", FETCH, "http://allowed.test/"]).exit_code == 3
+            opened = space_cli("sandbox", "network", sid, "--allow", "allowed.test")
+            assert opened.returncode == 0, opened.stderr
+            fetched = sb.exec(["python3", "-c", FETCH, "http://allowed.test/"])
+            assert fetched.exit_code == 0, fetched.text
+            trail = json.loads(space_cli("sandbox", "audit", sid, "--json").stdout)
+            decided = [(e["host"], e["decision"]) for e in trail]
+            denied, allowed = ("allowed.test", "deny"), ("allowed.test", "allow")
+            assert denied in decided and allowed in decided
+            assert decided.index(denied) < decided.index(allowed), decided
+            assert space_cli("sandbox", "network", "sb-nope", "--allow", "x.test").returncode != 0
+            bad = space_cli("sandbox", "create", "--secret", "no-hosts:VAR")
+            assert bad.returncode == 2 and b"NAME:VAR:HOST" in bad.stderr
+        finally:
+            sb.delete()
+        assert space_cli("secret", "rm", name).returncode == 0
+        assert name not in {s.name for s in client.secrets()}

@@ -32,6 +32,10 @@ COMMANDS = {
         "space.cli.mcp:mcp",
         "Serve SPACE's sandboxes to MCP clients (stdio, or streamable HTTP with --http).",
     ),
+    "secret": LazyCommand(
+        "space.cli.secrets:secret",
+        "Secrets: bind one to a sandbox's hosts with `space sandbox create --secret`.",
+    ),
     "pool": LazyCommand(
         "space.cli.pools:pool",
         "Warm pools: sandboxes kept restored and ready, so creates of their shape take a claim.",

@@ -108,6 +108,15 @@ def _volume(param: click.Parameter, value: str) -> dict[str, Any]:
     return {"volume": vid, "path": path, "read_only": mode == "ro"}
 
 
+def _secret(param: click.Parameter, value: str) -> dict[str, Any]:
+    """`NAME:VAR:HOST[,HOST…]` as a binding: the guest gets a placeholder in $VAR, which the
+    gateway swaps for the secret's value in requests to those hosts only."""
+    name, var, hosts = [*value.split(":", 2), "", ""][:3]
+    if not name or not var or not hosts:
+        raise click.BadParameter(f"{value!r} is not NAME:VAR:HOST[,HOST...]", param=param)
+    return {"secret": name, "env": var, "hosts": [h for h in hosts.split(",") if h]}
+
+
 def _exec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """What `exec` and `shell` share: the command's environment, directory and user."""
     fn = click.option("--user", "-u", help="Run as this user.")(fn)
@@ -172,6 +181,15 @@ def sandbox() -> None:
     help="Let it reach this name (or *.domain) on ports 80/443. Repeatable. Without any, the "
     "deployment's default applies (deny).",
 )
+@click.option(
+    "--secret",
+    "secrets",
+    multiple=True,
+    callback=lambda _c, p, vs: [_secret(p, v) for v in vs],
+    metavar="NAME:VAR:HOST[,HOST]",
+    help="Bind secret NAME (`space secret set`): $VAR holds a placeholder the gateway swaps for "
+    "its value in requests to those hosts only. Repeatable.",
+)
 @_api_command
 def create(
     space: Space,
@@ -187,6 +205,7 @@ def create(
     sandbox_id: str | None,
     volumes: list[dict[str, Any]],
     allow: tuple[str, ...],
+    secrets: list[dict[str, Any]],
 ) -> None:
     """Create a sandbox; prints its id once it is running."""
     from space.client import Sandbox
@@ -205,6 +224,7 @@ def create(
         id=sandbox_id,
         volumes=volumes or None,
         network={"hosts": [{"pattern": h} for h in allow]} if allow else None,
+        secrets=secrets or None,
     )
     if sb.state != "running":
         raise click.ClickException(f"sandbox {sb.id} is {sb.state}: {sb.info.reason or '?'}")
@@ -285,6 +305,49 @@ def rm(space: Space, sandbox_ids: tuple[str, ...]) -> int:
         else:
             click.echo(f"{sandbox_id} deleted")
     return 1 if failed else 0
+
+
+@sandbox.command()
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
+@click.option(
+    "--allow", multiple=True, metavar="HOST",
+    help="A name (or *.domain) it may reach on ports 80/443. Repeatable.",
+)  # fmt: skip
+@click.option(
+    "--default", "default", type=click.Choice(["deny", "allow"]), default="deny",
+    show_default=True, help="For every other public name (private networks stay closed).",
+)  # fmt: skip
+@_api_command
+def network(space: Space, sandbox_id: str, allow: tuple[str, ...], default: str) -> None:
+    """Replace a sandbox's egress policy; in force at once."""
+    from space.client import Sandbox
+
+    sb = Sandbox.get(sandbox_id, client=space)
+    sb.set_network({"default": default, "hosts": [{"pattern": h} for h in allow]})
+    allowed = f", allowed: {' '.join(allow)}" if allow else ""
+    click.echo(f"{sb.id}: {default} by default{allowed}")
+
+
+@sandbox.command()
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
+@click.option("--after", type=click.IntRange(0), default=0, help="Only events numbered after.")
+@json_option
+@_api_command
+def audit(space: Space, sandbox_id: str, after: int, as_json: bool) -> None:
+    """The gateway's decisions on a sandbox's egress, oldest first."""
+    from space.client import Sandbox
+
+    events = Sandbox.get(sandbox_id, client=space).audit(after)
+    if as_json:
+        print_json(events)
+        return
+    rows = [
+        (str(e.seq), _local_time(e.time), e.kind, e.decision, e.host or e.address or "",
+         "" if e.port is None else str(e.port), e.reason)
+        for e in events
+    ]  # fmt: skip
+    print_table(("SEQ", "TIME", "KIND", "DECISION", "HOST", "PORT", "REASON"), rows,
+                empty="no egress yet")  # fmt: skip
 
 
 def _change(space: Space, sandbox_id: str, action: Literal["pause", "resume", "suspend"]) -> None:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         FileEntry,
         PoolInfo,
         SandboxInfo,
+        SecretInfo,
         TemplateInfo,
         VolumeInfo,
     )
@@ -67,6 +68,7 @@ __all__ = [
     "PoolInfo",
     "Sandbox",
     "SandboxInfo",
+    "SecretInfo",
     "Space",
     "SpaceError",
     "TemplateInfo",

@@ -39,6 +39,7 @@ from space.client._models import (
     ExecResult,
     FileEntry,
     SandboxInfo,
+    SecretInfo,
     TemplateInfo,
     VolumeInfo,
 )
@@ -92,6 +93,19 @@ class AsyncSpace:
     async def delete_volume(self, volume_id: str) -> VolumeInfo:
         """Deletes its data; refused while a sandbox that is not deleted has it."""
         return await self._call(calls.delete_volume(volume_id))
+
+    async def set_secret(self, name: str, value: str) -> SecretInfo:
+        """Create or replace a secret (sealed at rest); bind it to a sandbox's hosts with
+        `secrets=[{"secret": name, "hosts": [...], "env": "VAR"}]` at create."""
+        return await self._call(calls.set_secret(name, value))
+
+    async def secrets(self) -> list[SecretInfo]:
+        """The tenant's secrets, by name: never a value."""
+        return await self._call(calls.secrets())
+
+    async def delete_secret(self, name: str) -> None:
+        """Refused (ConflictError) while a sandbox that is not deleted has it bound."""
+        await self._call(calls.delete_secret(name))
 
     async def template(self, name: str) -> TemplateInfo:
         return await self._call(calls.template(name))

@@ -29,6 +29,7 @@ from space.client._models import (
     Event,
     FileEntry,
     SandboxInfo,
+    SecretInfo,
     TemplateInfo,
     VolumeInfo,
 )
@@ -408,6 +409,24 @@ def volumes() -> Call[list[VolumeInfo]]:
 
 def delete_volume(volume_id: str) -> Call[VolumeInfo]:
     return Call("DELETE", f"{VOLUMES}/{quote(volume_id, safe='')}", _json(VolumeInfo.from_json))
+
+
+SECRETS = "/v1/secrets"
+
+
+def set_secret(name: str, value: str) -> Call[SecretInfo]:
+    return Call("PUT", f"{SECRETS}/{quote(name, safe='')}", _json(SecretInfo.from_json),
+                body={"value": value})  # fmt: skip
+
+
+def secrets() -> Call[list[SecretInfo]]:
+    return Call(
+        "GET", SECRETS, _json(lambda data: [SecretInfo.from_json(s) for s in data["items"]])
+    )
+
+
+def delete_secret(name: str) -> Call[None]:
+    return Call("DELETE", f"{SECRETS}/{quote(name, safe='')}", _nothing)
 
 
 class Pages:

@@ -116,6 +116,20 @@ class VolumeInfo:
 
 
 @dataclass(frozen=True)
+class SecretInfo:
+    """A secret of the tenant's, by name: its value is never answered."""
+
+    name: str
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SecretInfo:
+        return cls(name=data["name"], created_at=_time(data["created_at"]),
+                   updated_at=_time(data["updated_at"]))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class CheckpointInfo:
     """Memory and disk of a sandbox at one moment (its volumes left out), kept on its worker."""
 

@@ -31,6 +31,7 @@ from space.client._models import (
     ExecResult,
     FileEntry,
     SandboxInfo,
+    SecretInfo,
     TemplateInfo,
     VolumeInfo,
 )
@@ -84,6 +85,19 @@ class Space:
     def delete_volume(self, volume_id: str) -> VolumeInfo:
         """Deletes its data; refused while a sandbox that is not deleted has it."""
         return self._call(calls.delete_volume(volume_id))
+
+    def set_secret(self, name: str, value: str) -> SecretInfo:
+        """Create or replace a secret (sealed at rest); bind it to a sandbox's hosts with
+        `secrets=[{"secret": name, "hosts": [...], "env": "VAR"}]` at create."""
+        return self._call(calls.set_secret(name, value))
+
+    def secrets(self) -> list[SecretInfo]:
+        """The tenant's secrets, by name: never a value."""
+        return self._call(calls.secrets())
+
+    def delete_secret(self, name: str) -> None:
+        """Refused (ConflictError) while a sandbox that is not deleted has it bound."""
+        self._call(calls.delete_secret(name))
 
     def template(self, name: str) -> TemplateInfo:
         return self._call(calls.template(name))
