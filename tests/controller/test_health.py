@@ -4,6 +4,7 @@ fault suite (tests/faults/test_hosts.py) shows end to end with a real SIGSTOP.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -52,7 +53,8 @@ class Silent:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(module.time, "monotonic", c)
+    # The module's own clock only: the event loop keeps the real one.
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=c))
     return c
 
 

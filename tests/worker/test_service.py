@@ -591,6 +591,30 @@ async def test_a_restarted_worker_adopts_its_vms(worker: Worker, vm: str) -> Non
     assert again.json()["boot"] == "cold"  # what it was made by, remembered across the restart
 
 
+async def test_a_vm_found_dead_at_start_is_not_spared_as_young(worker: Worker) -> None:
+    """A VM whose VMM died while no worker ran has nothing in flight: /reconcile removes it at
+    once if the database no longer wants it (a delete finished while its worker was away)."""
+    before = worker.pids()
+    await worker.http.put("/vms/corpse", json={})
+    (corpse,) = worker.pids() - before
+    await worker.stop(stop_vms=False)
+    os.kill(corpse, signal.SIGKILL)
+    for _ in range(200):  # gone before the worker starts, not while it adopts
+        if corpse not in worker.pids():
+            break
+        await asyncio.sleep(0.05)
+    await worker.start()
+    grace, worker.manager.reconcile_grace_s = worker.manager.reconcile_grace_s, 3600
+    try:
+        # Every other VM was adopted just now, alive: those the grace still spares.
+        resp = await worker.http.post("/reconcile", json={"keep": []})
+        assert resp.json() == {"removed": ["corpse"]}, resp.text
+    finally:
+        worker.manager.reconcile_grace_s = grace
+    assert not (worker.manager.layout.vms / "corpse").exists()
+    assert worker.pids() == before
+
+
 async def test_reconcile_removes_what_is_not_wanted(worker: Worker, vm: str) -> None:
     await worker.http.post("/vms/dormant/suspend")
     stray = worker.manager.layout.vms / "stray"

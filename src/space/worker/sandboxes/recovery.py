@@ -78,6 +78,9 @@ async def try_adopt(manager: VMManager, sb: SandboxVM) -> None:
     run_dir = manager.layout.vms / sb.id
     if not vmm_pids(run_dir):
         sb.machine = None
+        # Nothing of it is in flight: /reconcile need not spare it as a VM just being made
+        # (a delete the control plane finished while this worker was away is done at once).
+        sb.since = float("-inf")
         sb.condition = "crashed" if (run_dir / DISK).exists() else "unresponsive"
         sb.why = (
             "its VMM was not running when the worker started"
