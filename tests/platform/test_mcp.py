@@ -86,6 +86,15 @@ async def test_an_mcp_client_does_a_whole_task_over_stdio(platform: Platform) ->
             code = await _call(client, "run_code", sandbox_id=sid,
                                code="import sys\nprint(6*7)\nsys.exit(3)")  # fmt: skip
             assert code["stdout"] == "42\n" and code["exit_code"] == 3, code
+            tidy = "import os, sys\nos.remove(sys.argv[0])\nprint('bye')"  # removes itself
+            gone = await _call(client, "run_code", sandbox_id=sid, code=tidy)
+            assert (gone["exit_code"], gone["stdout"]) == (0, "bye\n"), gone
+            loud = await _call(client, "run_command", sandbox_id=sid,
+                               command="head -c 600000 /dev/zero | tr '\\0' a")  # fmt: skip
+            assert loud["stdout"].startswith("a" * 262144), loud["stdout"][:100]
+            assert loud["stdout"].endswith(f"[… {600000 - 262144} more bytes]")
+            linked = await _call(client, "read_file", sandbox_id=sid, path="/etc/os-release")
+            assert "ID=" in linked["content"]  # a symlink, followed
             piped = await _call(client, "run_command", sandbox_id=sid, command="tr a-z A-Z",
                                 stdin="shout")  # fmt: skip
             assert piped["stdout"] == "SHOUT"

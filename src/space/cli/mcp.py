@@ -32,6 +32,7 @@ def mcp(api_url: str | None, api_key: str | None, listen: str | None) -> None:
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--http")
-    if api_key:
+    source = click.get_current_context().get_parameter_source("api_key")
+    if api_key and source == click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError("over HTTP each request brings its own key: drop --api-key")
     server.serve_http(resolve_api_url(api_url), host.strip("[]"), int(port))

@@ -319,7 +319,7 @@ def rm(space: Space, sandbox_ids: tuple[str, ...]) -> int:
 )  # fmt: skip
 @_api_command
 def network(space: Space, sandbox_id: str, allow: tuple[str, ...], default: str) -> None:
-    """Replace a sandbox's egress policy; in force at once."""
+    """Replace a sandbox's egress policy (a running one gets it at once)."""
     from space.client import Sandbox
 
     sb = Sandbox.get(sandbox_id, client=space)

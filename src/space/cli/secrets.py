@@ -29,8 +29,7 @@ def set_(space: Space, name: str) -> None:
     """Create or replace secret NAME with the value read from stdin (a final newline is
     dropped)."""
     if sys.stdin.isatty():
-        click.echo(f"value of {name} (then Enter): ", err=True, nl=False)
-        value = sys.stdin.readline()
+        value = click.prompt(f"value of {name}", hide_input=True, err=True)
     else:
         value = sys.stdin.read(MAX_VALUE + 2)
     value = value.removesuffix("\n").removesuffix("\r")

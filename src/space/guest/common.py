@@ -37,6 +37,7 @@ def os_error(e: OSError, path: str) -> OpError:
         errno.ENOTEMPTY: p.ErrorCode.NOT_EMPTY,
         errno.EACCES: p.ErrorCode.PERMISSION_DENIED,
         errno.EPERM: p.ErrorCode.PERMISSION_DENIED,
+        errno.EROFS: p.ErrorCode.PERMISSION_DENIED,
         errno.ENOSPC: p.ErrorCode.NO_SPACE,
         errno.EDQUOT: p.ErrorCode.NO_SPACE,
         errno.EBUSY: p.ErrorCode.BUSY,

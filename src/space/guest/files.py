@@ -230,7 +230,10 @@ async def rename(conn: Connection, channel: int, req: Json) -> Json:
         if e.errno == errno.EINVAL:
             raise OpError(p.ErrorCode.INVALID, f"cannot move {path} into itself") from None
         raise os_error(e, path if e.errno != errno.EEXIST else target) from None
-    return stat_entry(target)
+    try:
+        return stat_entry(target)
+    except OSError as e:  # changed again by the guest meanwhile
+        raise os_error(e, target) from None
 
 
 async def mkdir(conn: Connection, channel: int, req: Json) -> Json:

@@ -49,7 +49,9 @@ def http_app(api_url: str, host: str) -> ASGIApp:
             raise ToolError("no SPACE API key: send Authorization: Bearer <key>")
         return api_url, key
 
-    return _KeyRequired(build(keys).streamable_http_app(host=host))
+    # Stateless: no session outlives its request, so callers (even with made-up keys, which
+    # the API refuses on their first call) cannot fill the server with sessions.
+    return _KeyRequired(build(keys).streamable_http_app(host=host, stateless_http=True))
 
 
 class _KeyRequired:

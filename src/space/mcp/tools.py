@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -21,7 +22,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
-from space.client import AsyncSandbox, AsyncSpace, ExecResult, SandboxInfo, SpaceError
+from space.client import AsyncSandbox, AsyncSpace, SandboxInfo, SpaceError
 
 OUTPUT_CAP = 256 * 1024  # bytes of stdout (and of stderr) a tool answers with
 FILE_CAP = 1 << 20  # bytes read_file answers with
@@ -42,15 +43,35 @@ def _sandbox(info: SandboxInfo) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _text(data: bytes) -> str:
-    cut = data[:OUTPUT_CAP].decode(errors="replace")
-    return cut + f"\n[… {len(data) - OUTPUT_CAP} more bytes]" if len(data) > OUTPUT_CAP else cut
+class _Capped:
+    """A stream's first OUTPUT_CAP bytes, and how many more came (counted, not kept: one
+    command's output must not fill a server that many tenants share)."""
+
+    def __init__(self) -> None:
+        self.kept = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        room = OUTPUT_CAP - len(self.kept)
+        self.kept += data[:room]
+        self.dropped += max(0, len(data) - room)
+
+    def text(self) -> str:
+        cut = self.kept.decode(errors="replace")
+        return f"{cut}\n[… {self.dropped} more bytes]" if self.dropped else cut
 
 
-def _outcome(result: ExecResult) -> dict[str, Any]:
+async def _run(sb: AsyncSandbox, command: str | list[str], **options: Any) -> dict[str, Any]:
+    """Run to its end; exit status and capped output."""
+    out = {"stdout": _Capped(), "stderr": _Capped()}
+    async with sb.exec_stream(command, **options) as stream:
+        async for name, data in stream:
+            out[name].add(data)
+    result = stream.result
+    assert result is not None
     return {
         "exit_code": result.exit_code, "signal": result.signal, "timed_out": result.timed_out,
-        "stdout": _text(result.stdout), "stderr": _text(result.stderr),
+        "stdout": out["stdout"].text(), "stderr": out["stderr"].text(),
         "duration_ms": round(result.duration_ms),
     }  # fmt: skip
 
@@ -143,7 +164,7 @@ class SandboxTools:
         """Run a command in the sandbox to its end: exit code, stdout and stderr (each cut at
         256 KiB)."""
         async with self._one(ctx, sandbox_id) as sb:
-            return _outcome(await sb.exec(command, cwd=cwd, timeout=timeout_s, stdin=stdin))
+            return await _run(sb, command, cwd=cwd, timeout=timeout_s, stdin=stdin)
 
     async def run_code(
         self,
@@ -159,24 +180,30 @@ class SandboxTools:
         async with self._one(ctx, sandbox_id) as sb:
             await sb.files.write(path, code.encode())
             try:
-                return _outcome(await sb.exec([interpreter, path], timeout=timeout_s))
+                return await _run(sb, [interpreter, path], timeout=timeout_s)
             finally:
-                await sb.files.remove(path)
+                with contextlib.suppress(SpaceError):  # (the program may have removed it)
+                    await sb.files.remove(path)
 
     async def read_file(self, ctx: Context, sandbox_id: SandboxId, path: Path_) -> dict[str, Any]:
         """A file's content: UTF-8 text, or base64 when it is not text (1 MiB at most)."""
         async with self._one(ctx, sandbox_id) as sb:
-            entry = await sb.files.stat(path)
-            if entry.type != "file":
-                raise ToolError(f"{path} is a {entry.type}, not a file (list_files lists one)")
-            if entry.size > FILE_CAP:
-                raise ToolError(
-                    f"{path} holds {entry.size} bytes, more than the {FILE_CAP} read_file "
-                    "answers with: read a part with run_command (head, tail, sed -n)"
-                )
-            data = await sb.files.read(path)
+            if (await sb.files.stat(path)).type == "directory":
+                raise ToolError(f"{path} is a directory, not a file (list_files lists one)")
+            data = bytearray()
+            chunks = sb.files.iter(path)  # (links followed; read only as far as the cap)
+            try:
+                async for chunk in chunks:
+                    data += chunk
+                    if len(data) > FILE_CAP:
+                        raise ToolError(
+                            f"{path} holds more than the {FILE_CAP} bytes read_file answers "
+                            "with: read a part with run_command (head, tail, sed -n)"
+                        )
+            finally:
+                await chunks.aclose()  # type: ignore[attr-defined]
         try:
-            return {"path": path, "encoding": "utf-8", "content": data.decode()}
+            return {"path": path, "encoding": "utf-8", "content": bytes(data).decode()}
         except UnicodeDecodeError:
             return {"path": path, "encoding": "base64", "content": base64.b64encode(data).decode()}
 

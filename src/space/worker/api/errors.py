@@ -38,6 +38,7 @@ AGENT_STATUS = {
     "permission_denied": 403,
     "not_found": 404,
     "exists": 409,
+    "busy": 409,
     "not_empty": 409,
     "no_space": 507,
 }  # any other code (lost, timeout, internal, unauthenticated): the guest agent failed, 502
