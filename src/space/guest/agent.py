@@ -36,7 +36,8 @@ from pathlib import Path
 from . import files, storage, system, tcp, trust
 from . import protocol as p
 from .common import Json, OpError, log, str_arg
-from .processes import ExecOp, Reaper
+from .process_table import ProcessOps, ProcessTable
+from .processes import Reaper
 
 Inbox = asyncio.Queue[tuple[p.FrameType, bytes]]
 Op = Callable[["Connection", int, Json], Awaitable[Json]]
@@ -164,11 +165,15 @@ class Agent:
         self.token = token
         self.in_vm = in_vm  # this is a VM's init, which may change the machine
         self.boot_id = system.boot_id()
-        self.reaper: Reaper
+        self.processes = ProcessTable()
+        procs = ProcessOps(self.processes)
         self.ops: dict[str, Op] = {
             "ping": self.op_ping,
             "info": self.op_info,
-            "exec": self.op_exec,
+            "exec": procs.exec,
+            "attach": procs.attach,
+            "processes": procs.processes,
+            "control": procs.control,
             "read_file": files.read_file,
             "write_file": files.write_file,
             "list_dir": files.list_dir,
@@ -211,9 +216,6 @@ class Agent:
             "agent_pid": os.getpid(),
             "protocol": p.PROTOCOL_VERSION,
         }
-
-    async def op_exec(self, conn: Connection, channel: int, req: Json) -> Json:
-        return await ExecOp(self, conn, channel, req).run()
 
     async def op_identity(self, conn: Connection, channel: int, req: Json) -> Json:
         """After a restore: the host's clock, fresh entropy, a new hostname and token."""
@@ -306,7 +308,7 @@ class Agent:
         await server.serve_forever()
 
     async def run(self, listen_unix: str | None) -> None:
-        self.reaper = Reaper(asyncio.get_running_loop())
+        self.processes.reaper = Reaper(asyncio.get_running_loop())
         if listen_unix:
             await self.serve_unix(listen_unix)
             return

@@ -1,28 +1,28 @@
-"""Processes in the guest: spawning, streaming their output, feeding stdin, reaping."""
+"""A process in the guest once started: its output read off its pipes or pty and passed to
+whoever listens (and, for a background process, kept in a bounded ring for whoever attaches
+later), its input, its signals, and how it ended."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import fcntl
 import os
-import pwd
 import signal
 import struct
-import subprocess
-import termios
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
-from .common import Json, OpError, os_error, str_arg
-from .system import DEFAULT_PATH
+from .common import Json, OpError
+from .spawn import Spawned, set_winsize
 
 if TYPE_CHECKING:
-    from .agent import Agent, Connection, Inbox
+    from .agent import Connection
 
-STDIN_BUFFER_LIMIT = 64 << 20
+OUTPUT_RING = 1 << 20  # bytes of a background process's latest output kept for a reattach
 
 
 class Reaper:
@@ -72,220 +72,150 @@ async def wait_readable(fd: int, also: asyncio.Event) -> None:
         ready.cancel()
 
 
-class FdWriter:
-    """Non-blocking writes to a pipe or pty with a buffer; `close()` once drained."""
+class OutputRing:
+    """The latest `capacity` bytes of output, in order and by stream; what fell out is counted."""
 
-    def __init__(self, fd: int, on_error: Callable[[], None]) -> None:
-        self.fd = fd
-        self._buf = bytearray()
-        self._closing = False
-        self._closed = False
-        self._on_error = on_error
-        os.set_blocking(fd, False)
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._chunks: collections.deque[tuple[p.FrameType, bytes]] = collections.deque()
+        self._size = 0
+        self.dropped = 0
 
-    def write(self, data: bytes) -> None:
-        if self._closed or self._closing:
+    def add(self, ftype: p.FrameType, data: bytes) -> None:
+        if self.capacity <= 0:
             return
-        if len(self._buf) + len(data) > STDIN_BUFFER_LIMIT:
-            raise OpError(p.ErrorCode.INVALID, "stdin buffer overflow: the process reads no input")
-        was_empty = not self._buf
-        self._buf += data
-        if was_empty:
-            self._flush()
+        self._chunks.append((ftype, data))
+        self._size += len(data)
+        while self._size > self.capacity:
+            old_type, old = self._chunks.popleft()
+            cut = min(len(old), self._size - self.capacity)
+            if cut < len(old):
+                self._chunks.appendleft((old_type, old[cut:]))
+            self._size -= cut
+            self.dropped += cut
 
-    def close(self) -> None:
-        self._closing = True
-        if not self._buf:
-            self._close_now()
-
-    def _flush(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            n = os.write(self.fd, self._buf)
-            del self._buf[:n]
-        except BlockingIOError:
-            pass
-        except OSError:  # the reader went away: what is left can never be delivered
-            self._buf.clear()
-            self._on_error()
-            self._close_now()
-            return
-        if self._buf:
-            loop.add_writer(self.fd, self._on_writable)
-        elif self._closing:
-            self._close_now()
-
-    def _on_writable(self) -> None:
-        asyncio.get_running_loop().remove_writer(self.fd)
-        self._flush()
-
-    def abort(self) -> None:
-        self._buf.clear()
-        self._close_now()
-
-    def _close_now(self) -> None:
-        if not self._closed:
-            self._closed = True
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_writer(self.fd)
-            os.close(self.fd)
+    def __iter__(self) -> Iterator[tuple[p.FrameType, bytes]]:
+        return iter(list(self._chunks))
 
 
-class ExecOp:
-    """One process: spawn, stream its output, feed its input, signal it, report how it ended."""
+@dataclass(frozen=True)
+class Listener:
+    conn: Connection
+    channel: int
 
-    def __init__(self, agent: Agent, conn: Connection, channel: int, req: Json) -> None:
-        self.agent = agent
-        self.conn = conn
-        self.channel = channel
+
+class Process:
+    """One started process. Output goes to its listeners (each channel that follows it, in
+    order: a listener added under `output_lock` sees nothing twice and misses nothing) and to
+    its ring; it ends with `result` set and `done`."""
+
+    def __init__(self, spawned: Spawned, req: Json, *, background: bool, tag: str | None) -> None:
+        self.pid = spawned.pid
+        self.tag = tag
+        self.background = background
         self.req = req
-        self.exited = asyncio.Event()
-        self.stdin: FdWriter | None = None
-        self.master: int | None = None
-        self.pid = 0
-        self._proc: subprocess.Popen[bytes] | None = None
+        self.started_at = time.time()
+        self.stdin = spawned.stdin
+        self.master = spawned.master
+        self._spawned = spawned
+        self.ring = OutputRing(OUTPUT_RING if background else 0)
+        self.listeners: list[Listener] = []
+        self.output_lock = asyncio.Lock()
+        self.exited = asyncio.Event()  # the process is gone (its output may still be read)
+        self.done = asyncio.Event()  # and all of it was read: `result` is there
+        self.result: Json = {}
         self.max_output: int | None = None  # bytes per stream; past it the process is killed
         self.truncated = False
+        self._task: asyncio.Future[None] | None = None
 
-    def _argv(self) -> list[str]:
-        if "cmd" in self.req:
-            return ["/bin/sh", "-c", str_arg(self.req, "cmd")]
-        argv = self.req.get("argv")
-        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-            raise OpError(p.ErrorCode.INVALID, "give 'argv' (a non-empty list of strings) or 'cmd'")
-        return argv
+    def start(
+        self,
+        status: asyncio.Future[int],
+        timeout: float | None,
+        on_done: Callable[[Process], None],
+    ) -> None:
+        """Reads its output until it ends; `status` is its exit status from the reaper."""
+        self._task = asyncio.ensure_future(self._run(status, timeout))
+        self._task.add_done_callback(lambda _: on_done(self))
 
-    def _env_and_user(self) -> tuple[dict[str, str], pwd.struct_passwd | None]:
-        user = self.req.get("user")
-        entry = None
-        env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "HOME": "/root", "USER": "root"}
-        if user is not None:
-            try:
-                entry = pwd.getpwuid(user) if isinstance(user, int) else pwd.getpwnam(str(user))
-            except KeyError:
-                raise OpError(p.ErrorCode.NOT_FOUND, f"no such user: {user}") from None
-            env.update(HOME=entry.pw_dir, USER=entry.pw_name, LOGNAME=entry.pw_name)
-        if self.req.get("pty"):
-            env["TERM"] = "xterm-256color"
-        extra = self.req.get("env") or {}
-        if not isinstance(extra, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and k and "=" not in k
-            for k, v in extra.items()
-        ):
-            raise OpError(p.ErrorCode.INVALID, "'env' must map variable names to strings")
-        env.update(extra)
-        return env, entry
+    def info(self) -> Json:
+        req = self.req
+        command: Json = {"cmd": req["cmd"]} if "cmd" in req else {"argv": req["argv"]}
+        return {
+            "pid": self.pid,
+            "tag": self.tag,
+            **command,
+            "cwd": self.req.get("cwd"),
+            "pty": self.master is not None,
+            "background": self.background,
+            "started_at": self.started_at,
+            "running": not self.exited.is_set(),
+            "exit_code": self.result.get("exit_code"),
+            "signal": self.result.get("signal"),
+        }
 
-    def _spawn(self) -> list[tuple[int, p.FrameType]]:
-        argv = self._argv()
-        env, entry = self._env_and_user()
-        cwd = self.req.get("cwd") or (entry.pw_dir if entry else "/")
-        if not isinstance(cwd, str) or not os.path.isdir(cwd):
-            raise OpError(p.ErrorCode.NOT_FOUND, f"working directory does not exist: {cwd}")
-        user_kw: dict[str, Any] = {}
-        if entry is not None and entry.pw_uid != os.getuid():
-            user_kw = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
-        wants_stdin = bool(self.req.get("stdin"))
-        child_fds: list[int] = []
+    # --- input and signals -------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        if self.stdin is None:
+            raise OpError(p.ErrorCode.INVALID, f"process {self.pid} was started without stdin")
         try:
-            if self.req.get("pty"):
-                master, slave = os.openpty()
-                self.master = master
-                child_fds.append(slave)
-                rows, cols = self.req.get("rows", 24), self.req.get("cols", 80)
-                _set_winsize(slave, rows, cols)
-                stdio: tuple[int, int, int] = (slave, slave, slave)
-                pumps = [(master, p.FrameType.STDOUT)]
-                preexec: Callable[[], None] | None = _take_controlling_tty
-            else:
-                out_r, out_w = os.pipe2(os.O_CLOEXEC)
-                err_r, err_w = os.pipe2(os.O_CLOEXEC)
-                child_fds += [out_w, err_w]
-                if wants_stdin:
-                    in_r, in_w = os.pipe2(os.O_CLOEXEC)
-                    child_fds.append(in_r)
-                    self.stdin = FdWriter(in_w, lambda: None)
-                    stdin_fd = in_r
-                else:
-                    stdin_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-                    child_fds.append(stdin_fd)
-                stdio = (stdin_fd, out_w, err_w)
-                pumps = [(out_r, p.FrameType.STDOUT), (err_r, p.FrameType.STDERR)]
-                preexec = None
-            try:
-                same_path = env.get("PATH") == os.environ.get("PATH")  # posix_spawnp looks in ours
-                if preexec is None and not user_kw and same_path and os.path.samefile(cwd, "."):
-                    # The common case in one C call: far less Python to run (and, under
-                    # emulation, to translate) than subprocess.Popen.
-                    self.pid = os.posix_spawnp(
-                        argv[0],
-                        argv,
-                        env,
-                        file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(stdio)],
-                        setsid=True,
-                    )
-                else:
-                    proc = subprocess.Popen(
-                        argv,
-                        stdin=stdio[0],
-                        stdout=stdio[1],
-                        stderr=stdio[2],
-                        cwd=cwd,
-                        env=env,
-                        start_new_session=True,
-                        preexec_fn=preexec,
-                        **user_kw,
-                    )
-                    self.pid = proc.pid
-                    self._proc = proc  # held so Popen never reaps the child itself
-            except OSError as e:
-                for fd, _ in pumps:
-                    os.close(fd)
-                if self.stdin is not None:
-                    self.stdin.abort()
-                if isinstance(e, FileNotFoundError):
-                    missing = f"executable not found: {argv[0]}"
-                    raise OpError(p.ErrorCode.NOT_FOUND, missing) from None
-                raise os_error(e, argv[0]) from None
-        finally:
-            for fd in child_fds:
-                os.close(fd)
+            self.stdin.write(data)
+        except OpError:
+            self.signal(signal.SIGKILL)
+            raise
+
+    def close_stdin(self) -> None:
+        if self.stdin is None:
+            return
         if self.master is not None:
-            self.stdin = FdWriter(os.dup(self.master), lambda: None)
-        return pumps
+            self.stdin.write(b"\x04")  # a terminal's end of input is ^D
+        else:
+            self.stdin.close()
 
-    async def _feed(self, inbox: Inbox) -> None:
-        while True:
-            self.on_frame(*await inbox.get())
+    def signal(self, signum: int) -> None:
+        if self.exited.is_set():
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+            os.killpg(self.pid, signum)
 
-    def on_frame(self, ftype: p.FrameType, payload: bytes) -> None:
+    def resize(self, rows: int, cols: int) -> None:
+        if self.master is None:
+            raise OpError(p.ErrorCode.INVALID, f"process {self.pid} has no terminal to resize")
+        with contextlib.suppress(OSError, struct.error):
+            set_winsize(self.master, rows, cols)
+
+    def on_frame(self, ftype: p.FrameType, payload: bytes) -> Json | None:
+        """A frame from a channel that follows this process; a control message is returned."""
         if ftype == p.FrameType.STDIN and self.stdin is not None:
-            try:
-                self.stdin.write(payload)
-            except OpError:
-                self.signal(signal.SIGKILL)
-        elif ftype == p.FrameType.END and self.stdin is not None:
-            if self.master is not None:
-                self.stdin.write(b"\x04")  # a terminal's end of input is ^D
-            else:
-                self.stdin.close()
+            with contextlib.suppress(OpError):  # an overflow killed it: its end says so
+                self.write(payload)
+        elif ftype == p.FrameType.END:
+            self.close_stdin()
         elif ftype == p.FrameType.CONTROL:
             try:
                 ctl = p.decode_json(payload)
             except p.ProtocolError:
-                return
+                return None
             if isinstance(ctl.get("signal"), int):
                 self.signal(ctl["signal"])
             resize = ctl.get("resize")
             if self.master is not None and isinstance(resize, list) and len(resize) == 2:
-                with contextlib.suppress(OSError, struct.error):
-                    _set_winsize(self.master, int(resize[0]), int(resize[1]))
+                with contextlib.suppress(OpError, ValueError, TypeError):
+                    self.resize(int(resize[0]), int(resize[1]))
+            return ctl
+        return None
 
-    def signal(self, signum: int) -> None:
-        if self.exited.is_set() or not self.pid:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-            os.killpg(self.pid, signum)
+    # --- output ------------------------------------------------------------------------------
+
+    async def _emit(self, ftype: p.FrameType, data: bytes) -> None:
+        async with self.output_lock:
+            self.ring.add(ftype, data)
+            for listener in list(self.listeners):
+                if listener.conn.alive:
+                    await listener.conn.send(ftype, listener.channel, data)
+                else:
+                    self.listeners.remove(listener)
 
     async def _pump(self, fd: int, ftype: p.FrameType) -> None:
         os.set_blocking(fd, False)
@@ -312,26 +242,13 @@ class ExecOp:
                             self.signal(signal.SIGKILL)
                     room -= len(data)
                 if data:
-                    await self.conn.send(ftype, self.channel, data)
+                    await self._emit(ftype, data)
         finally:
             os.close(fd)
 
-    async def run(self) -> Json:
-        timeout = self.req.get("timeout")
-        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
-            raise OpError(p.ErrorCode.INVALID, "'timeout' must be a positive number of seconds")
-        max_output = self.req.get("max_output")
-        if max_output is not None and (
-            not isinstance(max_output, int) or isinstance(max_output, bool) or max_output < 0
-        ):
-            raise OpError(p.ErrorCode.INVALID, "'max_output' must be a number of bytes")
-        self.max_output = max_output
+    async def _run(self, exit_status: asyncio.Future[int], timeout: float | None) -> None:
         started = time.monotonic()
-        pumps = self._spawn()
-        exit_status = self.agent.reaper.watch(self.pid)
-        await self.conn.send_json(p.FrameType.EVENT, self.channel, {"pid": self.pid})
-        feeder = asyncio.ensure_future(self._feed(self.conn.inboxes[self.channel]))
-        pump_tasks = [asyncio.ensure_future(self._pump(fd, ft)) for fd, ft in pumps]
+        pumps = [asyncio.ensure_future(self._pump(fd, ft)) for fd, ft in self._spawned.pumps]
         timed_out = False
         try:
             status = await asyncio.wait_for(asyncio.shield(exit_status), timeout)
@@ -339,26 +256,17 @@ class ExecOp:
             timed_out = True
             self.signal(signal.SIGKILL)
             status = await exit_status
-        if self._proc is not None:
-            self._proc.returncode = os.waitstatus_to_exitcode(status)
+        if self._spawned.proc is not None:
+            self._spawned.proc.returncode = os.waitstatus_to_exitcode(status)
         self.exited.set()
-        await asyncio.gather(*pump_tasks)
-        feeder.cancel()
+        await asyncio.gather(*pumps)
         if self.stdin is not None:
             self.stdin.abort()
-        result: Json = {
+        self.result = {
             "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
             "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
             "timed_out": timed_out,
             "truncated": self.truncated,
             "duration_ms": round((time.monotonic() - started) * 1000, 3),
         }
-        return result
-
-
-def _set_winsize(fd: int, rows: int, cols: int) -> None:
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-
-def _take_controlling_tty() -> None:
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        self.done.set()

@@ -30,6 +30,16 @@ Operations ("op", then the request's fields; → the REPLY; ⇄ what flows on th
       ⇄ EVENT {pid} first; STDOUT/STDERR out, STDIN/END in, CONTROL {signal} | {resize}
       → {exit_code, signal, timed_out, truncated, duration_ms}. With max_output, the process is
         killed once a stream passed that many bytes, which is where that stream is cut.
+        CONTROL {detach} ends the channel with {detached, pid} and leaves the process running.
+        With background (or a tag), its latest output (1 MiB) also waits for an attach;
+        with detach too, the REPLY (the process as `processes` lists it) comes at once. A tag
+        names one running process.
+  attach {pid | tag, replay? (true)}  ⇄ EVENT {pid, tag, running, dropped?} first, the ring's
+        output, then as exec → exec's result, or {detached, pid}
+  processes                          → {processes: [{pid, tag, cmd | argv, cwd, pty, background,
+        started_at, running, exit_code, signal}]}: running ones and the last 32 background ones
+        that ended
+  control {pid | tag, stdin? (base64), eof?, signal?, resize? [rows, cols]}  → {}
   read_file {path}                   ⇄ EVENT {size}, DATA…, END → {size}
   write_file {path, mode?, make_parents?}  ⇄ EVENT {ready}, DATA… END in → {size} (atomic)
   list_dir {path, limit? (1-10000, 1000)}  → {entries, truncated}: in name order, at most
@@ -77,7 +87,7 @@ MAX_PAYLOAD = 1 << 20  # no frame is larger; a host refuses one whose header say
 MAX_JSON = 256 * 1024  # no REPLY or EVENT is larger
 CHUNK_SIZE = 256 * 1024
 TCP_WINDOW = 1 << 20  # bytes of a tcp_connect channel in flight in either direction
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 AGENT_PORT_NAME = "space.agent"  # virtio-serial port name the agent looks for
 AGENT_VSOCK_PORT = 1024
 
