@@ -48,6 +48,10 @@ class AgentTimeout(AgentError):
     """The agent did not answer (or take our data) within the call's deadline."""
 
 
+class ProcessDetached(AgentError):
+    """The channel stopped following the process (it runs on)."""
+
+
 class AgentProtocolError(AgentError):
     """The agent answered with something that is not a valid answer."""
 
@@ -167,9 +171,27 @@ class ExecResult:
 class ExecProcess:
     """A process running in the guest. Iterate it for ("stdout"|"stderr", bytes) chunks."""
 
-    def __init__(self, channel: Channel, pid: int) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        pid: int,
+        started: dict[str, Any] | None = None,
+        *,
+        owned: bool = True,
+    ) -> None:
         self._ch = channel
         self.pid = pid
+        self.owned = owned  # this channel started it (rather than attached to it)
+        started = started or {}
+        self.tag = started.get("tag") if isinstance(started.get("tag"), str) else None
+        self.running = started.get("running") is not False
+        self.background = started.get("background") is True
+        dropped = started.get("dropped")
+        self.dropped = dropped if isinstance(dropped, int) else 0  # output the ring lost
+
+    async def detach(self) -> None:
+        """Stop following the process, which runs on; `wait()` then raises ProcessDetached."""
+        await self._ch.send_json(p.FrameType.CONTROL, {"detach": True})
 
     async def write(self, data: bytes) -> None:
         for i in range(0, len(data), p.CHUNK_SIZE):
@@ -220,6 +242,8 @@ class ExecProcess:
                         await self.signal(signal.SIGKILL)
             buf.extend(data)
         body = await self._ch.result()
+        if body.get("detached") is True:
+            raise ProcessDetached("detached", f"process {self.pid} was detached and runs on")
         return ExecResult(
             exit_code=_optional_int(body, "exit_code"),
             signal=_optional_int(body, "signal"),

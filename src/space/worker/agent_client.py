@@ -19,7 +19,7 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from space.guest import protocol as p
 from space.worker import agent_platform as plat
@@ -81,6 +81,22 @@ MOUNT_DEADLINE_S = 60.0
 GROW_DEADLINE_S = 120.0
 
 
+class ExecOptions(TypedDict, total=False):
+    """How the agent runs a process (`space.guest.protocol`, op `exec`)."""
+
+    env: dict[str, str] | None
+    cwd: str | None
+    user: str | int | None
+    timeout: float | None
+    stdin: bool  # its stdin stays open for `ExecProcess.write` / `control`
+    pty: bool
+    rows: int
+    cols: int
+    max_output: int | None
+    background: bool
+    tag: str | None
+
+
 class AgentClient(AgentConnection):
     """An authenticated connection to a guest agent and what it can be asked to do."""
 
@@ -104,42 +120,41 @@ class AgentClient(AgentConnection):
     async def info(self) -> dict[str, Any]:
         return await self.call("info")
 
-    async def exec(
-        self,
-        cmd: str | list[str],
-        *,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | int | None = None,
-        timeout: float | None = None,
-        stdin: bool = False,
-        pty: bool = False,
-        rows: int = 24,
-        cols: int = 80,
-        max_output: int | None = None,
-    ) -> ExecProcess:
+    async def exec(self, cmd: str | list[str], **options: Unpack[ExecOptions]) -> ExecProcess:
         """Start a process: `cmd` as a string runs through /bin/sh -c, a list is the argv.
 
-        `max_output`: the agent kills the process once a stream has passed that many bytes."""
-        args: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
-        if env:
-            args["env"] = env
-        if cwd is not None:
-            args["cwd"] = cwd
-        if user is not None:
-            args["user"] = user
-        if timeout is not None:
-            args["timeout"] = timeout
-        if stdin:
-            args["stdin"] = True
-        if pty:
-            args.update(pty=True, rows=rows, cols=cols)
-        if max_output is not None:
-            args["max_output"] = max_output
-        ch = await self._open("exec", args)
+        `max_output`: the agent kills the process once a stream has passed that many bytes.
+        `background` (or a `tag`): it outlives this channel (`ExecProcess.detach`, `attach`)."""
+        return await self._follow("exec", _exec_args(cmd, options), "starting a process")
+
+    async def start(self, cmd: str | list[str], **options: Unpack[ExecOptions]) -> dict[str, Any]:
+        """Start a background process and leave it running: its entry in `processes`."""
+        args = _exec_args(cmd, {**options, "background": True})
+        return await self.call("exec", deadline=START_DEADLINE_S, detach=True, **args)
+
+    async def attach(self, pid: int | None = None, tag: str | None = None,
+                     *, replay: bool = True) -> ExecProcess:  # fmt: skip
+        """Follow a process the agent started (a background one's kept output first)."""
+        return await self._follow("attach", {**_ref(pid, tag), "replay": replay}, "attaching")
+
+    async def processes(self) -> list[dict[str, Any]]:
+        listed = field(await self.call("processes"), "processes", list)
+        return [entry for entry in listed if isinstance(entry, dict)]
+
+    async def control(self, pid: int | None = None, tag: str | None = None,
+                      **what: Any) -> None:  # fmt: skip
+        """stdin=bytes, eof=True, signal=n or resize=(rows, cols) for a process, unfollowed."""
+        if isinstance(what.get("stdin"), bytes):
+            what["stdin"] = base64.b64encode(what["stdin"]).decode()
+        if "resize" in what:
+            what["resize"] = list(what["resize"])
+        await self.call("control", **_ref(pid, tag), **what)
+
+    async def _follow(self, op: str, args: dict[str, Any], what: str) -> ExecProcess:
+        ch = await self._open(op, args)
         try:
-            started = await ch.first_event(START_DEADLINE_S, "starting a process")
-            return ExecProcess(ch, field(started, "pid", int))
+            started = await ch.first_event(START_DEADLINE_S, what)
+            return ExecProcess(ch, field(started, "pid", int), started, owned=op == "exec")
         except BaseException:
             ch.drop()
             raise
@@ -348,6 +363,24 @@ class AgentClient(AgentConnection):
         except BaseException:
             ch.drop()
             raise
+
+
+def _exec_args(cmd: str | list[str], options: ExecOptions) -> dict[str, Any]:
+    """The agent's `exec` arguments: only what was given, the PTY's size only with a PTY."""
+    args: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
+    given = {k: v for k, v in options.items() if v is not None and v is not False and v != {}}
+    if not given.pop("pty", False):
+        given.pop("rows", None)
+        given.pop("cols", None)
+    else:
+        args.update(pty=True, rows=given.pop("rows", 24), cols=given.pop("cols", 80))
+    return {**args, **given}
+
+
+def _ref(pid: int | None, tag: str | None) -> dict[str, Any]:
+    if (pid is None) == (tag is None):
+        raise ValueError("name a process by exactly one of pid or tag")
+    return {"pid": pid} if pid is not None else {"tag": tag}
 
 
 def _name(cmd: str | list[str]) -> str:

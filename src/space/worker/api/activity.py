@@ -1,7 +1,7 @@
-"""When each VM was last used: exec, file and ingress calls (and its making, claim and resume),
-counted as they begin and end, so a stream held open keeps its VM busy. The controller pauses
-a sandbox whose idle time passes its idle timeout; the worker's own calls (health, stats,
-audit, network, pause) are not use.
+"""When each VM was last used: exec, process, file and ingress calls (and its making, claim and
+resume), counted as they begin and end, so a stream held open keeps its VM busy. The controller
+pauses a sandbox whose idle time passes its idle timeout; the worker's own calls (health,
+stats, audit, network, pause) are not use.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 USE = re.compile(
     r"^/vms/(?P<id>[A-Za-z0-9_-]{1,64})(?P<what>/exec(?:/ws)?|/tcp/\d+|/files(?:/\w+)?"
-    r"|/claim|/resume|)$"
+    r"|/processes(?:/[^/]+(?:/\w+)?)?|/claim|/resume|)$"
 )
 
 

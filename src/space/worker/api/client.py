@@ -39,8 +39,12 @@ from space.worker.api.models import (
     Forked,
     ForkVM,
     Health,
+    ProcessInfo,
+    ProcessList,
+    ProcessSignal,
     Reconcile,
     Reconciled,
+    TerminalSize,
     VMCreated,
     VMStats,
     VMStatusAnswer,
@@ -173,9 +177,11 @@ class WorkerClient:
         params: dict[str, Any] | None = None,
         fenced: bool = False,
         epoch: int | None = None,
+        raw: bytes | None = None,
     ) -> A | None:
-        content = body.model_dump_json(exclude_none=False).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if content is not None else {}
+        """One call and its JSON answer; the body is `body` as JSON, or the bytes `raw`."""
+        content = body.model_dump_json(exclude_none=False).encode() if body is not None else raw
+        headers = {"Content-Type": "application/json"} if body is not None else {}
         if fenced:
             headers.update(self._headers(epoch))
         http, extensions = self._route(w)
@@ -371,6 +377,56 @@ class WorkerClient:
 
     def exec_ws(self, w: Worker, vm_id: str) -> AbstractAsyncContextManager[AsyncWebSocketSession]:
         return self._ws(w, w.vm(vm_id, "exec", "ws"))
+
+    # --- processes (a pid or a tag as `ref`) ---
+
+    async def start_process(self, w: Worker, vm_id: str, body: ExecRequest) -> ProcessInfo:
+        got = await self._call("POST", w, w.vm(vm_id, "processes"), ProcessInfo,
+                               timeout=QUICK_S, body=body)  # fmt: skip
+        assert got is not None
+        return got
+
+    async def processes(self, w: Worker, vm_id: str) -> ProcessList:
+        got = await self._call("GET", w, w.vm(vm_id, "processes"), ProcessList, timeout=QUICK_S)
+        assert got is not None
+        return got
+
+    async def process(self, w: Worker, vm_id: str, ref: str) -> ProcessInfo:
+        got = await self._call(
+            "GET", w, w.vm(vm_id, "processes", ref), ProcessInfo, timeout=QUICK_S
+        )
+        assert got is not None
+        return got
+
+    def process_output(
+        self, w: Worker, vm_id: str, ref: str, replay: bool
+    ) -> AbstractAsyncContextManager[httpx.Response]:
+        """The NDJSON events of a process followed (as `exec_stream`'s)."""
+        params = {"replay": str(replay).lower()}
+        return self._stream("GET", w, w.vm(vm_id, "processes", ref, "output"), params=params)
+
+    def process_ws(
+        self, w: Worker, vm_id: str, ref: str, replay: bool
+    ) -> AbstractAsyncContextManager[AsyncWebSocketSession]:
+        url = w.vm(vm_id, "processes", ref, "ws") + ("" if replay else "?replay=false")
+        return self._ws(w, url)
+
+    async def process_stdin(
+        self, w: Worker, vm_id: str, ref: str, data: bytes, eof: bool = False
+    ) -> None:
+        await self._call("POST", w, w.vm(vm_id, "processes", ref, "stdin"), None,
+                         timeout=QUICK_S, raw=data, params={"eof": str(eof).lower()})  # fmt: skip
+
+    async def signal_process(self, w: Worker, vm_id: str, ref: str, signal: int) -> None:
+        await self._call("POST", w, w.vm(vm_id, "processes", ref, "signal"), None,
+                         timeout=QUICK_S, body=ProcessSignal(signal=signal))  # fmt: skip
+
+    async def resize_process(self, w: Worker, vm_id: str, ref: str, size: TerminalSize) -> None:
+        await self._call("POST", w, w.vm(vm_id, "processes", ref, "resize"), None,
+                         timeout=QUICK_S, body=size)  # fmt: skip
+
+    async def kill_process(self, w: Worker, vm_id: str, ref: str) -> None:
+        await self._call("DELETE", w, w.vm(vm_id, "processes", ref), None, timeout=QUICK_S)
 
     def tcp(
         self, w: Worker, vm_id: str, port: int

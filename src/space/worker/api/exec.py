@@ -8,9 +8,9 @@ import base64
 import contextlib
 import json
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -28,6 +28,7 @@ from space.worker.vmm.base import VMMError
 if TYPE_CHECKING:
     from space.worker.api.server import WorkerAPI
 
+T = TypeVar("T")
 WS_FIRST_MESSAGE_S = 30.0
 STDOUT_TAG, STDERR_TAG = b"\x01", b"\x02"
 WS_FRAME = 32 << 10  # output per message; WebSocket clients often refuse messages over 64 KiB
@@ -43,16 +44,16 @@ class ExecRoutes:
             raise Problem(400, "a PTY needs the interactive WebSocket: /vms/{id}/exec/ws")
         try:
             proc = await self.api.manager.exec(
-                self.api._vm_id(request), body.command, env=body.env, cwd=body.cwd, user=body.user,
-                timeout=body.timeout, stdin=body.stdin is not None,
-            )  # fmt: skip
+                self.api._vm_id(request), body.command, **agent_options(body)
+            )
         except AgentConnectionLost:
             raise
         except AgentError as e:
             # The agent refused to start it (no such executable, user, directory): that is
             # the command's outcome, told as the stream's one event.
             return StreamingResponse(iter([_line(_error_event(e))]), media_type=NDJSON)
-        return StreamingResponse(_exec_events(proc, body.stdin), media_type=NDJSON)
+        events = exec_events(proc, body.stdin, close_stdin=not body.keep_stdin)
+        return StreamingResponse(events, media_type=NDJSON)
 
     async def exec_ws(self, ws: WebSocket) -> None:
         """First text message: the exec body plus pty/rows/cols; then stdin up, output down.
@@ -63,49 +64,25 @@ class ExecRoutes:
         with an error event and otherwise ignored; the process goes on.
         """
         await ws.accept()
-        try:
-            first = await asyncio.wait_for(ws.receive(), WS_FIRST_MESSAGE_S)
+
+        async def start() -> tuple[ExecProcess, bytes | None] | None:
+            try:
+                first = await asyncio.wait_for(ws.receive(), WS_FIRST_MESSAGE_S)
+            except TimeoutError:
+                raise Problem(408, f"no exec request within {WS_FIRST_MESSAGE_S:.0f}s") from None
             if first["type"] == "websocket.disconnect":
-                return
+                return None
             if first.get("text") is None:
                 raise Problem(400, "the first message must be the exec request as JSON text")
             body = parse(ExecRequest, first["text"])
             proc = await self.api.manager.exec(
-                self.api._vm_id(ws), body.command, env=body.env, cwd=body.cwd, user=body.user,
-                timeout=body.timeout, stdin=True, pty=body.pty, rows=body.rows, cols=body.cols,
+                self.api._vm_id(ws), body.command, **{**agent_options(body), "stdin": True},
+                pty=body.pty, rows=body.rows, cols=body.cols,
             )  # fmt: skip
-        except TimeoutError:
-            await _ws_fail(ws, Problem(408, f"no exec request within {WS_FIRST_MESSAGE_S:.0f}s"))
-            return
-        except (Problem, VMManagerError, AgentConnectionLost, VMMError) as e:
-            await _ws_fail(ws, as_problem(e))
-            return
-        except AgentError as e:
-            await _ws_fail(ws, e)
-            return
-        try:
-            await ws.send_json({"type": "start", "pid": proc.pid})
-        except WebSocketDisconnect:
-            await _kill(proc)
-            return
-        if body.stdin:
-            with contextlib.suppress(AgentError):  # a lost agent shows in the output's end
-                await proc.write(body.stdin)
-        output = asyncio.ensure_future(_ws_output(ws, proc))
-        control = asyncio.ensure_future(_ws_input(ws, proc))
-        try:
-            await asyncio.wait([output, control], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not (output.done() and output.exception() is None):
-                await _kill(proc)  # the client left: nobody wants the process any more
-            control.cancel()
-            for task in (control, output):
-                with contextlib.suppress(
-                    asyncio.CancelledError, WebSocketDisconnect, RuntimeError, AgentError
-                ):
-                    await task
-        with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the peer may be gone
-            await ws.close()
+            return proc, body.stdin
+
+        if started := await ws_start(ws, start()):
+            await ws_session(ws, *started)
 
     async def tcp_ws(self, ws: WebSocket) -> None:
         """Bytes both ways to a port the guest listens on (ingress); see `tcp.bridge`."""
@@ -113,7 +90,7 @@ class ExecRoutes:
             agent = (await self.api.manager.agent(self.api._vm_id(ws)))[1]
         except (VMManagerError, AgentConnectionLost, VMMError) as e:
             await ws.accept()
-            await _ws_fail(ws, as_problem(e))
+            await ws_fail(ws, as_problem(e))
             return
         await tcp.bridge(ws, agent, int(ws.path_params["port"]))
 
@@ -126,6 +103,52 @@ def routes(api: WorkerAPI) -> list[BaseRoute]:
         WebSocketRoute(f"{vm}/exec/ws", r.exec_ws),
         WebSocketRoute(f"{vm}/tcp/{{port:int}}", r.tcp_ws),
     ]
+
+
+def agent_options(body: ExecRequest) -> dict[str, Any]:
+    """What of an exec request the agent is given (the command aside)."""
+    return {
+        "env": body.env, "cwd": body.cwd, "user": body.user, "timeout": body.timeout,
+        "stdin": body.stdin is not None or body.keep_stdin, "background": body.background,
+        "tag": body.tag,
+    }  # fmt: skip
+
+
+async def ws_session(ws: WebSocket, proc: ExecProcess, stdin: bytes | None) -> None:
+    """A followed process over an accepted WebSocket (see `exec_ws`), until it ends or the
+    client leaves (see `leave`)."""
+    try:
+        await ws.send_json(_start_event(proc))
+    except WebSocketDisconnect:
+        await leave(proc)
+        return
+    if stdin:
+        with contextlib.suppress(AgentError):  # a lost agent shows in the output's end
+            await proc.write(stdin)
+    output = asyncio.ensure_future(_ws_output(ws, proc))
+    control = asyncio.ensure_future(_ws_input(ws, proc))
+    try:
+        await asyncio.wait([output, control], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not (output.done() and output.exception() is None):
+            await leave(proc)
+        control.cancel()
+        for task in (control, output):
+            with contextlib.suppress(
+                asyncio.CancelledError, WebSocketDisconnect, RuntimeError, AgentError
+            ):
+                await task
+    with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the peer may be gone
+        await ws.close()
+
+
+def _start_event(proc: ExecProcess) -> dict[str, Any]:
+    event: dict[str, Any] = {"type": "start", "pid": proc.pid}
+    if proc.tag is not None:
+        event["tag"] = proc.tag
+    if proc.dropped:
+        event["dropped"] = proc.dropped
+    return event
 
 
 def _line(event: dict[str, Any]) -> bytes:
@@ -149,18 +172,27 @@ def _error_event(e: AgentError | Problem) -> dict[str, Any]:
     return {"type": "error", "code": e.code, "message": e.message}
 
 
-async def _kill(proc: ExecProcess) -> None:
-    """Ends a process nobody listens to any more, so its channel closes too."""
+async def leave(proc: ExecProcess) -> None:
+    """Nobody follows the process here any more: one this exec started in the foreground is
+    killed (so its channel closes too); a background one, or one attached to, runs on."""
     proc.discard()
     with contextlib.suppress(AgentError):
-        await proc.signal(signal.SIGKILL)
+        if proc.owned and not proc.background:
+            await proc.signal(signal.SIGKILL)
+        else:
+            await proc.detach()
 
 
-async def _exec_events(proc: ExecProcess, stdin: bytes | None) -> AsyncIterator[bytes]:
-    feeder = asyncio.ensure_future(_feed(proc, stdin)) if stdin is not None else None
+async def exec_events(
+    proc: ExecProcess, stdin: bytes | None, *, close_stdin: bool = True
+) -> AsyncIterator[bytes]:
+    """A followed process as NDJSON: start, its output, then exit (or error)."""
+    feeder = None
+    if stdin is not None:
+        feeder = asyncio.ensure_future(_feed(proc, stdin, close_stdin))
     finished = False
     try:
-        yield _line({"type": "start", "pid": proc.pid})
+        yield _line(_start_event(proc))
         async for stream, data in proc:
             yield _line({"type": stream, "data": base64.b64encode(data).decode()})
         result = await proc.wait()
@@ -173,16 +205,28 @@ async def _exec_events(proc: ExecProcess, stdin: bytes | None) -> AsyncIterator[
         if feeder is not None:
             feeder.cancel()
         if not finished:
-            await _kill(proc)
+            await leave(proc)
 
 
-async def _feed(proc: ExecProcess, data: bytes) -> None:
+async def _feed(proc: ExecProcess, data: bytes, close: bool) -> None:
     with contextlib.suppress(AgentError):
         await proc.write(data)
-        await proc.close_stdin()
+        if close:
+            await proc.close_stdin()
 
 
-async def _ws_fail(ws: WebSocket, e: AgentError | Problem) -> None:
+async def ws_start(ws: WebSocket, starting: Awaitable[T]) -> T | None:
+    """What `starting` gives, or None once its failure was told to the client, which is gone."""
+    try:
+        return await starting
+    except (Problem, VMManagerError, AgentConnectionLost, VMMError) as e:
+        await ws_fail(ws, as_problem(e))
+    except AgentError as e:
+        await ws_fail(ws, e)
+    return None
+
+
+async def ws_fail(ws: WebSocket, e: AgentError | Problem) -> None:
     status = e.status if isinstance(e, Problem) else AGENT_STATUS.get(e.code, 502)
     with contextlib.suppress(WebSocketDisconnect, RuntimeError):
         await ws.send_json(_error_event(e))

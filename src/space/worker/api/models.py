@@ -16,7 +16,14 @@ import binascii
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from space.gateway.policy import Policy
 
@@ -200,6 +207,19 @@ class BuildStatus(Answer):
 # --- data plane -------------------------------------------------------------------------------
 
 
+PROCESS_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}$")
+
+
+def check_tag(tag: str) -> str:
+    """A process's tag: never all digits, which would read as a pid."""
+    if not PROCESS_TAG.match(tag) or tag.isdigit():
+        raise ValueError(
+            "a tag is 1-64 of letters, digits and _.:-, starts with a letter, digit or _, "
+            "and is not a number"
+        )
+    return tag
+
+
 class ExecRequest(Strict):
     cmd: str | None = Field(None, min_length=1, pattern=r"^[^\x00]*$")
     argv: list[Annotated[str, Field(pattern=r"^[^\x00]*$")]] | None = Field(None, min_length=1)
@@ -213,6 +233,14 @@ class ExecRequest(Strict):
     pty: bool = False
     rows: int = Field(24, ge=1, le=1000)
     cols: int = Field(80, ge=1, le=1000)
+    background: bool = Field(False, description="it outlives the request that started it")
+    tag: str | None = Field(None, description="names the running process (implies background)")
+    keep_stdin: bool = Field(False, description="stdin stays open after `stdin` was written")
+
+    @field_validator("tag")
+    @classmethod
+    def valid_tag(cls, tag: str | None) -> str | None:
+        return None if tag is None else check_tag(tag)
 
     @field_validator("stdin", mode="before")
     @classmethod
@@ -230,23 +258,55 @@ class ExecRequest(Strict):
     def one_command(self) -> ExecRequest:
         if (self.cmd is None) == (self.argv is None):
             raise ValueError("give exactly one of 'cmd' (a shell command) or 'argv' (a list)")
+        if self.tag is not None:
+            self.background = True
         return self
 
     @property
     def command(self) -> str | list[str]:
         return self.cmd if self.cmd is not None else list(self.argv or [])
 
+    @field_serializer("stdin")
+    def encode_stdin(self, stdin: bytes | None) -> str | None:
+        return None if stdin is None else base64.b64encode(stdin).decode()
+
     def wire(self) -> dict[str, Any]:
-        """The body as JSON sends it (stdin base64 again)."""
-        body = self.model_dump(exclude_none=True)
-        if self.stdin is not None:
-            body["stdin"] = base64.b64encode(self.stdin).decode()
-        return body
+        """The body as JSON sends it."""
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 class ExecStart(Answer):
     type: Literal["start"] = "start"
     pid: int
+    tag: str | None = None
+    dropped: int = 0  # on an attach: output the process wrote that no longer was kept
+
+
+class ProcessInfo(Answer):
+    pid: int
+    tag: str | None = None
+    cmd: str | None = None
+    argv: list[str] | None = None
+    cwd: str | None = None
+    pty: bool = False
+    background: bool = False
+    started_at: float
+    running: bool
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+class ProcessList(Answer):
+    processes: list[ProcessInfo]
+
+
+class ProcessSignal(Strict):
+    signal: int = Field(ge=1, le=64)
+
+
+class TerminalSize(Strict):
+    rows: int = Field(ge=1, le=1000)
+    cols: int = Field(ge=1, le=1000)
 
 
 class ExecOutput(Answer):

@@ -38,7 +38,7 @@ from space.worker.agent_client import (
     AgentClient,
     AgentError,
 )
-from space.worker.api import checkpoints, files, templates
+from space.worker.api import checkpoints, files, processes, templates
 from space.worker.api import exec as exec_
 from space.worker.api.activity import Activity, ActivityMiddleware
 from space.worker.api.bodies import Problem, read_body
@@ -293,6 +293,7 @@ def make_app(
         Route(f"{vm}/suspend", api.suspend, methods=["POST"]),
         *exec_.routes(api),
         *files.routes(api),
+        *processes.routes(api),
         *templates.routes(api),
         *checkpoints.routes(api),
     ]

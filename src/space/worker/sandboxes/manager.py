@@ -598,28 +598,30 @@ class VMManager:
                 await sb.machine.reconnect(RECONNECT_TIMEOUT_S)
             return sb, sb.machine.agent
 
-    async def exec(
-        self,
-        vm_id: str,
-        cmd: str | list[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | int | None = None,
-        timeout: float | None = None,
-        stdin: bool = False,
-        pty: bool = False,
-        rows: int = 24,
-        cols: int = 80,
-    ) -> ExecProcess:
-        """Start a process; the sandbox's environment lies under the one given here."""
+    async def exec(self, vm_id: str, cmd: str | list[str], **options: Any) -> ExecProcess:
+        """Start a process and follow it; `options` as `AgentClient.exec` takes them, the
+        sandbox's environment, directory and user under those given."""
+        agent, options = await self._in_sandbox(vm_id, options)
+        return await agent.exec(cmd, **options)
+
+    async def start_process(
+        self, vm_id: str, cmd: str | list[str], **options: Any
+    ) -> dict[str, Any]:
+        """Start a background process and leave it running: its entry in the agent's list."""
+        agent, options = await self._in_sandbox(vm_id, options)
+        return await agent.start(cmd, **options)
+
+    async def _in_sandbox(
+        self, vm_id: str, options: dict[str, Any]
+    ) -> tuple[AgentClient, dict[str, Any]]:
         sb, agent = await self.agent(vm_id)
         spec = sb.spec
-        return await agent.exec(
-            cmd, env={**spec.template_env, **spec.env, **(env or {})}, cwd=cwd or spec.workdir,
-            user=user if user is not None else agent_user(spec.user), timeout=timeout,
-            stdin=stdin, pty=pty, rows=rows, cols=cols,
-        )  # fmt: skip
+        env = {**spec.template_env, **spec.env, **(options.get("env") or {})}
+        user = options.get("user")
+        return agent, {
+            **options, "env": env, "cwd": options.get("cwd") or spec.workdir,
+            "user": user if user is not None else agent_user(spec.user),
+        }  # fmt: skip
 
 
 def _check_id(vm_id: str) -> None:
