@@ -21,6 +21,7 @@ from space.api import (
     join,
     me,
     metrics,
+    processes,
     quotas,
     sandboxes,
     secrets,
@@ -90,6 +91,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     app.include_router(checkpoints.router)
     app.include_router(stats.router)
     app.include_router(data.router)
+    app.include_router(processes.router)
     app.include_router(templates.router)
     app.include_router(volumes.router)
     app.include_router(secrets.router)

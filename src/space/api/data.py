@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Annotated
 
@@ -76,6 +76,14 @@ async def exec_stream(
 
 @router.websocket("/exec/ws")
 async def exec_ws(websocket: WebSocket, sandbox_id: str) -> None:
+    await relay_ws(websocket, sandbox_id, lambda svc, w: svc.workers.exec_ws(w, sandbox_id))
+
+
+UpstreamWS = Callable[[Services, Worker], AbstractAsyncContextManager[AsyncWebSocketSession]]
+
+
+async def relay_ws(websocket: WebSocket, sandbox_id: str, open_upstream: UpstreamWS) -> None:
+    """A tenant's WebSocket to one of its sandboxes, pumped both ways to the worker's."""
     svc: Services = websocket.app.state.services
     try:
         caller = await ws_tenant(websocket)
@@ -86,7 +94,7 @@ async def exec_ws(websocket: WebSocket, sandbox_id: str) -> None:
         return
     await websocket.accept()
     try:
-        async with svc.workers.exec_ws(worker, sandbox_id) as up:
+        async with open_upstream(svc, worker) as up:
             await _pump_ws(websocket, up)
     except (HTTPXWSException, httpx.TransportError) as e:
         with contextlib.suppress(RuntimeError, WebSocketDisconnect):

@@ -18,6 +18,8 @@ INGRESS_BODY = 1 << 30  # streamed to the sandbox's service as it arrives
 # Streamed through to the sandbox as it arrives (its disk quota bounds it): no cap here.
 STREAMED = re.compile(r"^/v1/sandboxes/[^/]+/files$")
 INGRESS = re.compile(r"^/v1/sandboxes/[^/]+/ports/")
+STDIN_BODY = 16 << 20  # raw input for a running process, in one call
+STDIN = re.compile(r"^/v1/sandboxes/[^/]+/processes/[^/]+/stdin$")
 
 
 def cap_for(method: str, path: str) -> int | None:
@@ -26,6 +28,8 @@ def cap_for(method: str, path: str) -> int | None:
         return None
     if INGRESS.match(path):
         return INGRESS_BODY
+    if STDIN.match(path):
+        return STDIN_BODY
     return JSON_BODY
 
 

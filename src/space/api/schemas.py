@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from space.netpolicy import NetworkPolicy, SecretBinding
+from space.worker.api.models import check_tag
 
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]{2,39}$"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -322,11 +323,23 @@ class ExecRequest(Strict):
     pty: bool = False
     rows: int = Field(24, ge=1, le=1000)
     cols: int = Field(80, ge=1, le=1000)
+    background: bool = Field(
+        False, description="the process outlives this request: leaving its stream leaves it running"
+    )
+    tag: str | None = Field(
+        None, max_length=64, description="names the running process (implies background)"
+    )
+    keep_stdin: bool = Field(False, description="stdin stays open after `stdin` was written")
 
     @field_validator("env")
     @classmethod
     def env_names(cls, env: dict[str, str]) -> dict[str, str]:
         return _check_env(env)
+
+    @field_validator("tag")
+    @classmethod
+    def valid_tag(cls, tag: str | None) -> str | None:
+        return None if tag is None else check_tag(tag)
 
     @model_validator(mode="after")
     def one_command(self) -> ExecRequest:

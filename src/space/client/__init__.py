@@ -18,7 +18,13 @@ if "httpx" not in sys.modules:
     sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
 
 if TYPE_CHECKING:
-    from space.client._async import AsyncExecStream, AsyncFiles, AsyncSandbox, AsyncSpace
+    from space.client._async import (
+        AsyncExecStream,
+        AsyncFiles,
+        AsyncProcesses,
+        AsyncSandbox,
+        AsyncSpace,
+    )
     from space.client._calls import CreateOptions, ExecOptions, ListFilters
     from space.client._errors import (
         APIError,
@@ -37,17 +43,19 @@ if TYPE_CHECKING:
         ExecResult,
         FileEntry,
         PoolInfo,
+        ProcessInfo,
         SandboxInfo,
         SecretInfo,
         TemplateInfo,
         VolumeInfo,
     )
-    from space.client._sync import ExecStream, Files, Sandbox, Space
+    from space.client._sync import ExecStream, Files, Processes, Sandbox, Space
 
 __all__ = [
     "APIError",
     "AsyncExecStream",
     "AsyncFiles",
+    "AsyncProcesses",
     "AsyncSandbox",
     "AsyncSpace",
     "AuditEvent",
@@ -66,6 +74,8 @@ __all__ = [
     "ListFilters",
     "NotFoundError",
     "PoolInfo",
+    "ProcessInfo",
+    "Processes",
     "Sandbox",
     "SandboxInfo",
     "SecretInfo",

@@ -26,6 +26,7 @@ from space.client._calls import (
     CreateOptions,
     ExecOptions,
     ListFilters,
+    ProcessRef,
     SandboxBase,
     Upload,
     checkpoint_id_of,
@@ -38,6 +39,7 @@ from space.client._models import (
     Event,
     ExecResult,
     FileEntry,
+    ProcessInfo,
     SandboxInfo,
     SecretInfo,
     TemplateInfo,
@@ -224,6 +226,71 @@ class AsyncExecStream(ExecStreamBase):
         await self.aclose()
 
 
+async def collect(
+    stream: AsyncExecStream, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
+) -> ExecResult:
+    """A command's whole run off its stream, each piece also passed to the callbacks."""
+    collector = OutputCollector(on_stdout, on_stderr)
+    async with stream:
+        async for name, data in stream:
+            collector.add(name, data)
+    return collector.result(stream.result)
+
+
+class AsyncProcesses:
+    """The processes of one sandbox (`sandbox.processes`), named by pid, tag or ProcessInfo;
+    see `space.Processes`."""
+
+    def __init__(self, client: AsyncSpace, sandbox_id: str) -> None:
+        self._client = client
+        self._id = sandbox_id
+
+    async def start(
+        self, command: str | Sequence[str], **options: Unpack[ExecOptions]
+    ) -> ProcessInfo:
+        """Starts `command` in the background and answers at once; `tag` names it."""
+        return await self._client._call(calls.start_process(self._id, command, options))
+
+    async def list(self) -> builtins.list[ProcessInfo]:
+        return await self._client._call(calls.processes(self._id))
+
+    async def get(self, ref: ProcessRef) -> ProcessInfo:
+        return await self._client._call(calls.process(self._id, ref))
+
+    def connect(self, ref: ProcessRef, *, replay: bool = True) -> AsyncExecStream:
+        """Follows the process: the output it kept first (unless `replay` is False), then as
+        it comes, then `result`. Closing the stream leaves the process running."""
+        return AsyncExecStream(self._client, calls.process_output(self._id, ref, replay))
+
+    async def wait(
+        self,
+        ref: ProcessRef,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> ExecResult:
+        """Until the process ends: its result, with the output kept and produced meanwhile."""
+        return await collect(self.connect(ref), on_stdout, on_stderr)
+
+    async def send_stdin(self, ref: ProcessRef, data: bytes | str, *, eof: bool = False) -> None:
+        """Input for a process started with `keep_stdin` (or a PTY); `eof` closes it after."""
+        raw = data.encode() if isinstance(data, str) else data
+        await self._client._call(calls.process_stdin(self._id, ref, eof), raw)
+
+    async def close_stdin(self, ref: ProcessRef) -> None:
+        await self.send_stdin(ref, b"", eof=True)
+
+    async def signal(self, ref: ProcessRef, signum: int) -> None:
+        """`signum` to the process's whole group."""
+        await self._client._call(calls.signal_process(self._id, ref, signum))
+
+    async def resize(self, ref: ProcessRef, rows: int, cols: int) -> None:
+        await self._client._call(calls.resize_process(self._id, ref, rows, cols))
+
+    async def kill(self, ref: ProcessRef) -> None:
+        await self._client._call(calls.kill_process(self._id, ref))
+
+
 class AsyncFiles:
     """The files of one sandbox (`sandbox.files`). Paths are absolute paths inside it."""
 
@@ -271,6 +338,7 @@ class AsyncSandbox(SandboxBase[AsyncSpace]):
     def __init__(self, client: AsyncSpace, info: SandboxInfo) -> None:
         super().__init__(client, info)
         self.files = AsyncFiles(client, info.id)
+        self.processes = AsyncProcesses(client, info.id)
 
     @classmethod
     async def create(
@@ -376,11 +444,7 @@ class AsyncSandbox(SandboxBase[AsyncSpace]):
     ) -> ExecResult:
         """Runs `command` to its end; the result holds its whole output, which is also passed
         to the callbacks piece by piece as it comes."""
-        collector = OutputCollector(on_stdout, on_stderr)
-        async with self.exec_stream(command, **options) as stream:
-            async for name, data in stream:
-                collector.add(name, data)
-        return collector.result(stream.result)
+        return await collect(self.exec_stream(command, **options), on_stdout, on_stderr)
 
     async def __aenter__(self) -> AsyncSandbox:
         return self

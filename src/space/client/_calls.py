@@ -28,6 +28,7 @@ from space.client._models import (
     CheckpointInfo,
     Event,
     FileEntry,
+    ProcessInfo,
     SandboxInfo,
     SecretInfo,
     TemplateInfo,
@@ -85,7 +86,10 @@ class ExecOptions(TypedDict, total=False):
     cwd: str | None
     user: str | None
     timeout: float | None  # seconds, then the process is killed
-    stdin: bytes | str | None  # fed to the process, then closed
+    stdin: bytes | str | None  # fed to the process, then closed (unless keep_stdin)
+    keep_stdin: bool | None  # stdin stays open for `processes.send_stdin`
+    background: bool | None  # it outlives its stream: leaving the stream leaves it running
+    tag: str | None  # names the running process for `sandbox.processes` (implies background)
 
 
 @runtime_checkable
@@ -461,7 +465,7 @@ class Pages:
 def exec_body(command: str | Sequence[str], options: ExecOptions) -> dict[str, Any]:
     """The exec request: a string runs through `/bin/sh -c`, a sequence is the argv itself."""
     body: dict[str, Any] = {"cmd": command} if isinstance(command, str) else {"argv": list(command)}
-    for key in ("env", "cwd", "user", "timeout"):
+    for key in ("env", "cwd", "user", "timeout", "keep_stdin", "background", "tag"):
         value = options.get(key)
         if value is not None:
             body[key] = dict(value) if isinstance(value, Mapping) else value
@@ -485,6 +489,61 @@ def exec_(sandbox_id: str, command: str | Sequence[str], options: ExecOptions) -
 
 def exec_ws_path(sandbox_id: str) -> str:
     return _sandbox(sandbox_id, "/exec/ws")
+
+
+# Processes
+
+ProcessRef = int | str | ProcessInfo  # a pid, a tag, or the process itself
+
+
+def _process(sandbox_id: str, ref: ProcessRef, tail: str = "") -> str:
+    name = ref.pid if isinstance(ref, ProcessInfo) else ref
+    return _sandbox(sandbox_id, f"/processes/{quote(str(name), safe='')}{tail}")
+
+
+def start_process(
+    sandbox_id: str, command: str | Sequence[str], options: ExecOptions
+) -> Call[ProcessInfo]:
+    body = exec_body(command, options)
+    return Call("POST", _sandbox(sandbox_id, "/processes"), _json(ProcessInfo.from_json),
+                body=body)  # fmt: skip
+
+
+def processes(sandbox_id: str) -> Call[list[ProcessInfo]]:
+    return Call(
+        "GET",
+        _sandbox(sandbox_id, "/processes"),
+        _json(lambda data: [ProcessInfo.from_json(p) for p in data["processes"]]),
+    )
+
+
+def process(sandbox_id: str, ref: ProcessRef) -> Call[ProcessInfo]:
+    return Call("GET", _process(sandbox_id, ref), _json(ProcessInfo.from_json))
+
+
+def process_output(sandbox_id: str, ref: ProcessRef, replay: bool) -> Call[None]:
+    """Answers an NDJSON stream, as `exec_` does."""
+    return Call("GET", _process(sandbox_id, ref, "/output"), _nothing,
+                params=[("replay", _flag(replay))], unbounded=True)  # fmt: skip
+
+
+def process_stdin(sandbox_id: str, ref: ProcessRef, eof: bool) -> Call[None]:
+    return Call("POST", _process(sandbox_id, ref, "/stdin"), _nothing,
+                params=[("eof", _flag(eof))])  # fmt: skip
+
+
+def signal_process(sandbox_id: str, ref: ProcessRef, signal: int) -> Call[None]:
+    return Call("POST", _process(sandbox_id, ref, "/signal"), _nothing,
+                body={"signal": int(signal)})  # fmt: skip
+
+
+def resize_process(sandbox_id: str, ref: ProcessRef, rows: int, cols: int) -> Call[None]:
+    return Call("POST", _process(sandbox_id, ref, "/resize"), _nothing,
+                body={"rows": rows, "cols": cols})  # fmt: skip
+
+
+def kill_process(sandbox_id: str, ref: ProcessRef) -> Call[None]:
+    return Call("DELETE", _process(sandbox_id, ref), _nothing)
 
 
 # Files

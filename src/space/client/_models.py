@@ -184,6 +184,38 @@ class ExecResult:
 
 
 @dataclass(frozen=True)
+class ProcessInfo:
+    """A process started in a sandbox (`sandbox.processes`): running, or a background one that
+    ended (then `exit_code` or `signal` says how)."""
+
+    pid: int
+    tag: str | None
+    command: str | list[str]  # a shell command, or the argv
+    cwd: str | None
+    pty: bool
+    background: bool
+    started_at: datetime
+    running: bool
+    exit_code: int | None
+    signal: int | None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ProcessInfo:
+        return cls(
+            pid=data["pid"],
+            tag=data.get("tag"),
+            command=data["cmd"] if data.get("cmd") is not None else list(data.get("argv") or []),
+            cwd=data.get("cwd"),
+            pty=bool(data.get("pty")),
+            background=bool(data.get("background")),
+            started_at=_time(data["started_at"]),
+            running=bool(data["running"]),
+            exit_code=data.get("exit_code"),
+            signal=data.get("signal"),
+        )
+
+
+@dataclass(frozen=True)
 class FileEntry:
     """A file, directory or link inside a sandbox."""
 

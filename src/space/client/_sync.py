@@ -18,6 +18,7 @@ from space.client._calls import (
     CreateOptions,
     ExecOptions,
     ListFilters,
+    ProcessRef,
     SandboxBase,
     Upload,
     checkpoint_id_of,
@@ -30,6 +31,7 @@ from space.client._models import (
     Event,
     ExecResult,
     FileEntry,
+    ProcessInfo,
     SandboxInfo,
     SecretInfo,
     TemplateInfo,
@@ -189,6 +191,72 @@ class ExecStream(ExecStreamBase):
         self.close()
 
 
+def collect(
+    stream: ExecStream, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
+) -> ExecResult:
+    """A command's whole run off its stream, each piece also passed to the callbacks."""
+    collector = OutputCollector(on_stdout, on_stderr)
+    with stream:
+        for name, data in stream:
+            collector.add(name, data)
+    return collector.result(stream.result)
+
+
+class Processes:
+    """The processes of one sandbox (`sandbox.processes`), named by pid, tag or ProcessInfo.
+
+    A background process (`start`, or `exec_stream(..., background=True)`) outlives the
+    stream that started it, keeps its latest 1 MiB of output for the next `connect`, and
+    stays listed with its result for a while once it ended."""
+
+    def __init__(self, client: Space, sandbox_id: str) -> None:
+        self._client = client
+        self._id = sandbox_id
+
+    def start(self, command: str | Sequence[str], **options: Unpack[ExecOptions]) -> ProcessInfo:
+        """Starts `command` in the background and answers at once; `tag` names it."""
+        return self._client._call(calls.start_process(self._id, command, options))
+
+    def list(self) -> builtins.list[ProcessInfo]:
+        return self._client._call(calls.processes(self._id))
+
+    def get(self, ref: ProcessRef) -> ProcessInfo:
+        return self._client._call(calls.process(self._id, ref))
+
+    def connect(self, ref: ProcessRef, *, replay: bool = True) -> ExecStream:
+        """Follows the process: the output it kept first (unless `replay` is False), then as
+        it comes, then `result`. Closing the stream leaves the process running."""
+        return ExecStream(self._client, calls.process_output(self._id, ref, replay))
+
+    def wait(
+        self,
+        ref: ProcessRef,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> ExecResult:
+        """Until the process ends: its result, with the output kept and produced meanwhile."""
+        return collect(self.connect(ref), on_stdout, on_stderr)
+
+    def send_stdin(self, ref: ProcessRef, data: bytes | str, *, eof: bool = False) -> None:
+        """Input for a process started with `keep_stdin` (or a PTY); `eof` closes it after."""
+        raw = data.encode() if isinstance(data, str) else data
+        self._client._call(calls.process_stdin(self._id, ref, eof), raw)
+
+    def close_stdin(self, ref: ProcessRef) -> None:
+        self.send_stdin(ref, b"", eof=True)
+
+    def signal(self, ref: ProcessRef, signum: int) -> None:
+        """`signum` to the process's whole group."""
+        self._client._call(calls.signal_process(self._id, ref, signum))
+
+    def resize(self, ref: ProcessRef, rows: int, cols: int) -> None:
+        self._client._call(calls.resize_process(self._id, ref, rows, cols))
+
+    def kill(self, ref: ProcessRef) -> None:
+        self._client._call(calls.kill_process(self._id, ref))
+
+
 class Files:
     """The files of one sandbox (`sandbox.files`). Paths are absolute paths inside it."""
 
@@ -236,6 +304,7 @@ class Sandbox(SandboxBase[Space]):
     def __init__(self, client: Space, info: SandboxInfo) -> None:
         super().__init__(client, info)
         self.files = Files(client, info.id)
+        self.processes = Processes(client, info.id)
 
     @classmethod
     def create(cls, *, client: Space | None = None, **options: Unpack[CreateOptions]) -> Sandbox:
@@ -338,11 +407,7 @@ class Sandbox(SandboxBase[Space]):
     ) -> ExecResult:
         """Runs `command` to its end; the result holds its whole output, which is also passed
         to the callbacks piece by piece as it comes."""
-        collector = OutputCollector(on_stdout, on_stderr)
-        with self.exec_stream(command, **options) as stream:
-            for name, data in stream:
-                collector.add(name, data)
-        return collector.result(stream.result)
+        return collect(self.exec_stream(command, **options), on_stdout, on_stderr)
 
     def __enter__(self) -> Sandbox:
         return self
