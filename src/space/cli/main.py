@@ -1,8 +1,8 @@
 """The `space` command.
 
 Its subcommands are imported only when used (see `lazy.py`): keep this module and the light
-command modules (`sandbox`, `checkpoints`, `pools`, `volumes`, `completion`) free of imports
-beyond click and the standard library at their top.
+command modules (`sandbox`, `processes`, `checkpoints`, `pools`, `volumes`, `completion`) free
+of imports beyond click and the standard library at their top.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ COMMANDS = {
         "space.cli.sandbox:exec_", "Run a command in a sandbox, streaming its output."
     ),
     "shell": LazyCommand("space.cli.sandbox:shell", "Open an interactive terminal in a sandbox."),
+    "process": LazyCommand(
+        "space.cli.processes:process",
+        "Background processes: list, follow, send input, signal, kill.",
+    ),
     "cp": LazyCommand("space.cli.sandbox:cp", "Copy a file into or out of a sandbox."),
     "checkpoint": LazyCommand(
         "space.cli.checkpoints:checkpoint",

@@ -28,7 +28,8 @@ from space.client._config import DEFAULT_API_URL, KEY_VARIABLE, URL_VARIABLE
 if TYPE_CHECKING:
     from datetime import datetime
 
-    from space.client import ExecResult, Sandbox, SandboxInfo, Space
+    from space.client import ExecResult, ExecStream, Sandbox, SandboxInfo, Space
+    from space.client._calls import ExecOptions
 
 PROGRESS_FROM = 1 << 20  # files up to 1 MiB copy too fast for a progress bar to help
 # ID:/absolute/path names a file in a sandbox; anything else is a local path.
@@ -129,6 +130,14 @@ def _status(result: ExecResult) -> int:
     if result.exit_code is not None:
         return result.exit_code
     return 128 + (result.signal or 0)
+
+
+def print_output(stream: ExecStream) -> None:
+    """A command's output as it comes: its stdout to ours, its stderr to ours."""
+    for name, data in stream:
+        out = sys.stdout if name == "stdout" else sys.stderr
+        out.buffer.write(data)
+        out.flush()
 
 
 def _local_time(at: datetime | None) -> str:
@@ -395,6 +404,12 @@ def suspend(space: Space, sandbox_id: str) -> None:
     help="Kill the command after this many seconds.",
 )
 @click.option("--no-stdin", "-n", is_flag=True, help="Do not send our stdin (like ssh -n).")
+@click.option(
+    "--background", "-d", is_flag=True,
+    help="Start it in the background and print its pid; `space process` follows it.",
+)  # fmt: skip
+@click.option("--tag", help="Name the background process (implies --background).")
+@click.option("--keep-stdin", is_flag=True, help="Keep its stdin open for `space process stdin`.")
 @_api_command
 def exec_(
     space: Space,
@@ -405,6 +420,9 @@ def exec_(
     user: str | None,
     timeout: float | None,
     no_stdin: bool,
+    background: bool,
+    tag: str | None,
+    keep_stdin: bool,
 ) -> int:
     """Run a command in a sandbox, streaming its output.
 
@@ -415,13 +433,14 @@ def exec_(
 
     sb = Sandbox.get(sandbox_id, client=space)
     stdin = None if no_stdin or sys.stdin.isatty() else sys.stdin.buffer.read()
-    with sb.exec_stream(
-        command, env=env or None, cwd=cwd, user=user, timeout=timeout, stdin=stdin
-    ) as stream:
-        for name, data in stream:
-            out = sys.stdout if name == "stdout" else sys.stderr
-            out.buffer.write(data)
-            out.flush()
+    options: ExecOptions = {"env": env or None, "cwd": cwd, "user": user, "timeout": timeout,
+                            "stdin": stdin, "keep_stdin": keep_stdin}  # fmt: skip
+    if background or tag:
+        options["tag"] = tag
+        click.echo(sb.processes.start(command, **options).pid)
+        return 0
+    with sb.exec_stream(command, **options) as stream:
+        print_output(stream)
     if stream.result.timed_out:
         click.echo(f"space: timed out after {timeout}s, killed", err=True)
     return _status(stream.result)
