@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from . import files, storage, system, tcp, trust
+from . import files, storage, system, tcp, trust, watch
 from . import protocol as p
 from .common import Json, OpError, log, str_arg
 from .process_table import ProcessOps, ProcessTable
@@ -181,6 +181,7 @@ class Agent:
             "remove": files.remove,
             "mkdir": files.mkdir,
             "rename": files.rename,
+            "watch": watch.watch,
             "identity": self.op_identity,
             "shutdown": self.op_shutdown,
             "sync": storage.sync,

@@ -46,6 +46,9 @@ Operations ("op", then the request's fields; → the REPLY; ⇄ what flows on th
         `limit` and as many as fit MAX_JSON
   stat, remove {recursive?}, mkdir {parents?, mode?} {path}  → an entry | {}
   rename {path, to, overwrite?}      → the entry at `to`; EEXIST (exists) unless overwrite
+  watch {path, recursive? (false)}  ⇄ EVENT {watching, recursive} first, then EVENT {events:
+        [{type: create | write | remove | rename | chmod | overflow, path, is_dir}]}; CONTROL
+        {stop} or END ends it → {events: n, ended: stopped | removed | moved | gone}
   identity {time_ns?, entropy?, hostname?, token?}, shutdown   (inside a VM only)
 
 Platform duties: the worker's own work in the guest, built into the agent and done with system
