@@ -192,6 +192,18 @@ async def rename_file(
     return FileEntry.model_validate(entry.model_dump())
 
 
+@router.get("/files/watch", response_class=StreamingResponse)
+async def watch_files(
+    sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller, recursive: bool = False
+) -> StreamingResponse:
+    """What changes in a directory (and under it, if `recursive`), as NDJSON: `watching` once
+    the watch is set, then `{"type", "path", "is_dir"}` per event (`create`, `write`,
+    `remove`, `rename` (a move's old name; its new one is a `create`), `chmod`, or `overflow`:
+    events were lost), then `end` if the directory was removed or moved. Leaving stops it."""
+    worker = await target(svc, caller.id, sandbox_id)
+    return await relay(svc.workers.watch(worker, sandbox_id, path, recursive), NDJSON)
+
+
 @router.post("/files/mkdir", response_model=FileEntry)
 async def make_dir(
     sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller, parents: bool = False

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         Event,
         ExecResult,
         FileEntry,
+        FileEvent,
         PoolInfo,
         ProcessInfo,
         SandboxInfo,
@@ -50,10 +51,12 @@ if TYPE_CHECKING:
         VolumeInfo,
     )
     from space.client._sync import ExecStream, Files, Processes, Sandbox, Space
+    from space.client._watch import AsyncFileWatch, FileWatch
 
 __all__ = [
     "APIError",
     "AsyncExecStream",
+    "AsyncFileWatch",
     "AsyncFiles",
     "AsyncProcesses",
     "AsyncSandbox",
@@ -70,6 +73,8 @@ __all__ = [
     "ExecResult",
     "ExecStream",
     "FileEntry",
+    "FileEvent",
+    "FileWatch",
     "Files",
     "ListFilters",
     "NotFoundError",
@@ -87,7 +92,7 @@ __all__ = [
 ]
 
 # Searched in this order, lightest first: errors and models need no HTTP stack.
-_MODULES = ("_errors", "_models", "_calls", "_sync", "_async")
+_MODULES = ("_errors", "_models", "_calls", "_watch", "_sync", "_async")
 
 
 def __getattr__(name: str) -> Any:

@@ -45,6 +45,7 @@ from space.client._models import (
     TemplateInfo,
     VolumeInfo,
 )
+from space.client._watch import AsyncFileWatch
 
 T = TypeVar("T")
 
@@ -329,6 +330,11 @@ class AsyncFiles:
 
     async def mkdir(self, path: str, *, parents: bool = False) -> FileEntry:
         return await self._client._call(calls.mkdir(self._id, path, parents))
+
+    async def watch(self, path: str, *, recursive: bool = False) -> AsyncFileWatch:
+        """Changes in directory `path` (and under it if `recursive`) as FileEvents; the watch
+        is set when this returns. Close it to stop."""
+        return await AsyncFileWatch(self._client, calls.watch(self._id, path, recursive)).start()
 
 
 class AsyncSandbox(SandboxBase[AsyncSpace]):

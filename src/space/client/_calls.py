@@ -599,6 +599,12 @@ def remove(sandbox_id: str, path: str, recursive: bool) -> Call[None]:
     )
 
 
+def watch(sandbox_id: str, path: str, recursive: bool) -> Call[None]:
+    """Answers an NDJSON stream of the watch's events (see `_watch`)."""
+    params = [("path", path), ("recursive", _flag(recursive))]
+    return Call("GET", _sandbox(sandbox_id, "/files/watch"), _nothing, params, unbounded=True)
+
+
 def rename(sandbox_id: str, path: str, to: str, overwrite: bool) -> Call[FileEntry]:
     return Call(
         "POST",

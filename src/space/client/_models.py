@@ -216,6 +216,20 @@ class ProcessInfo:
 
 
 @dataclass(frozen=True)
+class FileEvent:
+    """A change a file watch saw: `create` (also a move's new name), `write`, `remove`,
+    `rename` (a move's old name), `chmod`, or `overflow` (events were lost; no path)."""
+
+    type: str
+    path: str | None
+    is_dir: bool
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FileEvent:
+        return cls(type=data["type"], path=data.get("path"), is_dir=bool(data.get("is_dir")))
+
+
+@dataclass(frozen=True)
 class FileEntry:
     """A file, directory or link inside a sandbox."""
 

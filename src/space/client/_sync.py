@@ -37,6 +37,7 @@ from space.client._models import (
     TemplateInfo,
     VolumeInfo,
 )
+from space.client._watch import FileWatch
 
 T = TypeVar("T")
 
@@ -295,6 +296,11 @@ class Files:
 
     def mkdir(self, path: str, *, parents: bool = False) -> FileEntry:
         return self._client._call(calls.mkdir(self._id, path, parents))
+
+    def watch(self, path: str, *, recursive: bool = False) -> FileWatch:
+        """Changes in directory `path` (and under it if `recursive`) as FileEvents; the watch
+        is set when this returns. Close it to stop."""
+        return FileWatch(self._client, calls.watch(self._id, path, recursive))
 
 
 class Sandbox(SandboxBase[Space]):

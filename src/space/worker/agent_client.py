@@ -215,6 +215,28 @@ class AgentClient(AgentConnection):
         finally:
             ch.drop()  # a reader that stops early must not hold the rest in memory
 
+    async def watch(
+        self, path: str, *, recursive: bool = False
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """What changes in directory `path`: {"type": "watching"} first, then each event as
+        the agent tells it, then {"type": "end", "reason"} if the watch ended by itself (its
+        directory was removed or moved). Closing the generator stops the watch in the guest;
+        events wait there (in the kernel's bounded queue) while nobody reads."""
+        ch = await self._open("watch", {"path": path, "recursive": recursive})
+        try:
+            await ch.first_event(START_DEADLINE_S, f"watching {path}")
+            yield {"type": "watching", "path": path, "recursive": recursive}
+            while (frame := await ch.next_frame())[0] == p.FrameType.EVENT:
+                for event in plat.watch_events(frame[1]):
+                    yield event
+            ended = await ch.result(START_DEADLINE_S, f"watching {path}")
+            yield {"type": "end", "reason": str(ended.get("ended"))}
+        finally:
+            if not ch.reply.done():
+                with contextlib.suppress(AgentError):
+                    await ch.send_json(p.FrameType.CONTROL, {"stop": True})
+            ch.drop()
+
     async def read_file(self, path: str, *, max_bytes: int = READ_FILE_MAX) -> bytes:
         """A whole file; AgentError "too_large" past `max_bytes`."""
         out = bytearray()

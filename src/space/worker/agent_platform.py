@@ -2,7 +2,8 @@
 
 Platform duties (flush, volumes, the root file system's size, the gateway's CA) are built-in
 calls of the agent, done with system calls in the guest: never a program of the guest's, which
-the tenant may have replaced. Answers are checked here, since the agent may be hostile too.
+the tenant may have replaced. Answers are checked here (those of listings and file watches
+too), since the agent may be hostile.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from space.guest import protocol as p
 from space.worker.agent_channels import AgentError, AgentProtocolError, field
 
 
@@ -134,3 +136,24 @@ def dir_listing(body: dict[str, Any], limit: int) -> DirListing:
     if len(entries) > limit or not all(isinstance(e, dict) for e in entries):
         raise AgentProtocolError("protocol", f"the agent listed more than {limit} entries")
     return DirListing(entries, bool(body.get("truncated")))
+
+
+WATCH_KINDS = frozenset({"create", "write", "remove", "rename", "chmod", "overflow"})
+
+
+def watch_events(payload: bytes) -> list[dict[str, Any]]:
+    """A watch's EVENT frame as events {type, path, is_dir}, each checked (`path` is absent
+    from a queue overflow)."""
+    try:
+        body = p.decode_json(payload)
+    except p.ProtocolError as e:
+        raise AgentProtocolError("protocol", f"a watch event: {e}") from None
+    events = []
+    for event in field(body, "events", list):
+        if not isinstance(event, dict) or event.get("type") not in WATCH_KINDS:
+            raise AgentProtocolError("protocol", "the agent told a watch event of no known type")
+        path = event.get("path")
+        if path is not None and not (isinstance(path, str) and path.startswith("/")):
+            raise AgentProtocolError("protocol", "the agent told a watch event without a path")
+        events.append({"type": event["type"], "path": path, "is_dir": event.get("is_dir") is True})
+    return events

@@ -445,6 +445,13 @@ class WorkerClient:
     ) -> AbstractAsyncContextManager[httpx.Response]:
         return self._stream("GET", w, w.vm(vm_id, "files"), params={"path": path})
 
+    def watch(
+        self, w: Worker, vm_id: str, path: str, recursive: bool
+    ) -> AbstractAsyncContextManager[httpx.Response]:
+        """The NDJSON events of a file watch (relayed as they are by the API)."""
+        params = {"path": path, "recursive": str(recursive).lower()}
+        return self._stream("GET", w, w.vm(vm_id, "files", "watch"), params=params)
+
     async def upload(
         self,
         w: Worker,

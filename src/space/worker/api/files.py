@@ -3,6 +3,7 @@ never held whole."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, cast
 
@@ -11,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from space.worker.api.bodies import Problem
-from space.worker.api.models import MAX_PATH
+from space.worker.api.models import MAX_PATH, NDJSON
 
 if TYPE_CHECKING:
     from space.worker.api.server import WorkerAPI
@@ -33,6 +34,10 @@ def flag(request: Request, name: str, default: bool) -> bool:
     if value.lower() in ("false", "0", "no", ""):
         return False
     raise Problem(400, f"{name!r} must be true or false (got {value!r})")
+
+
+def _line(event: dict[str, object]) -> bytes:
+    return json.dumps(event, separators=(",", ":")).encode() + b"\n"
 
 
 def file_mode(request: Request) -> int:
@@ -97,6 +102,23 @@ class FileRoutes:
         agent = await self.api._agent(request)
         return JSONResponse(await agent.rename(path, to, overwrite=overwrite))
 
+    async def watch(self, request: Request) -> Response:
+        """NDJSON: {"type": "watching"} once the watch is set (or the error, before the
+        answer starts), then one line per event; leaving the stream stops the watch."""
+        path, recursive = abs_path(request), flag(request, "recursive", False)
+        events = (await self.api._agent(request)).watch(path, recursive=recursive)
+        first = await anext(events)
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield _line(first)
+                async for event in events:
+                    yield _line(event)
+            finally:
+                await events.aclose()
+
+        return StreamingResponse(body(), media_type=NDJSON)
+
     async def mkdir(self, request: Request) -> Response:
         path, parents = abs_path(request), flag(request, "parents", True)
         agent = await self.api._agent(request)
@@ -114,4 +136,5 @@ def routes(api: WorkerAPI) -> list[BaseRoute]:
         Route(f"{files}/stat", r.stat, methods=["GET"]),
         Route(f"{files}/mkdir", r.mkdir, methods=["POST"]),
         Route(f"{files}/rename", r.rename, methods=["POST"]),
+        Route(f"{files}/watch", r.watch, methods=["GET"]),
     ]
