@@ -1,8 +1,8 @@
 """The `space` command.
 
 Its subcommands are imported only when used (see `lazy.py`): keep this module and the light
-command modules (`sandbox`, `processes`, `checkpoints`, `pools`, `volumes`, `completion`) free
-of imports beyond click and the standard library at their top.
+command modules (`sandbox`, `files`, `processes`, `checkpoints`, `pools`, `volumes`,
+`completion`) free of imports beyond click and the standard library at their top.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ COMMANDS = {
         "space.cli.processes:process",
         "Background processes: list, follow, send input, signal, kill.",
     ),
-    "cp": LazyCommand("space.cli.sandbox:cp", "Copy a file into or out of a sandbox."),
+    "cp": LazyCommand("space.cli.files:cp", "Copy a file into or out of a sandbox."),
+    "watch": LazyCommand(
+        "space.cli.files:watch", "Print what changes in directory PATH of a sandbox as it happens."
+    ),
     "checkpoint": LazyCommand(
         "space.cli.checkpoints:checkpoint",
         "Checkpoints: a sandbox's memory and disk at one moment, to roll back to or fork from.",
