@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-import httpx
 import pytest
 
 from ..stack import Platform, Service
@@ -97,11 +96,17 @@ def worker(platform: Platform) -> Service:
     restarted it)."""
     svc = platform.workers[platform.worker_id]
     until(lambda: listening(svc), 60)
-    with platform.client(platform.admin_key) as admin:
-        until(lambda: _active(admin, platform.worker_id), 30)
+    shown_active(platform, platform.worker_id)
     return svc
 
 
-def _active(admin: httpx.Client, worker_id: str) -> bool:
-    items = admin.get("/v1/workers").json()["items"]
-    return any(w["id"] == worker_id and w["state"] == "active" for w in items)
+def shown_active(platform: Platform, worker_id: str) -> None:
+    """Until the control plane shows the worker active (a restart slower than its heartbeat
+    deadline shows it lost for a while, and creates are not placed on it meanwhile)."""
+
+    def active() -> bool:
+        items = admin.get("/v1/workers").json()["items"]
+        return any(w["id"] == worker_id and w["state"] == "active" for w in items)
+
+    with platform.client(platform.admin_key) as admin:
+        until(active, 30)

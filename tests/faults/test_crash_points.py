@@ -10,7 +10,7 @@ import pytest
 from ..leaks import resources
 from ..platform.helpers import counter_runs, create, run, start_counter, wait_state
 from ..stack import Platform, Service
-from .conftest import listening, record, restarted, until
+from .conftest import listening, record, restarted, shown_active, until
 
 pytestmark = pytest.mark.vm
 
@@ -61,6 +61,7 @@ def test_a_worker_killed_at_a_step_loses_nothing(
             assert c.post(f"/v1/sandboxes/{sid}/suspend").json()["state"] == "suspended"
         with restarted(worker, SPACE_CRASH_AT=step):
             until(lambda: listening(worker), 60)
+            shown_active(platform, platform.worker_id)
             if sid:  # (a slow restart can have shown the worker lost meanwhile)
                 was = "suspended" if verb == "resume" else "running"
                 until(lambda: _state(c, sid) == was, 30, why=lambda: _state(c, sid))
