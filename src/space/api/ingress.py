@@ -28,6 +28,7 @@ from httpx_ws import WebSocketDisconnect as UpstreamDisconnect
 from space.api.data import target
 from space.api.deps import Caller, Svc
 from space.api.errors import APIError
+from space.client._calls import INGRESS_VIA
 from space.worker.api.models import TCP_EOF, TCP_FRAME
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
@@ -85,6 +86,7 @@ async def ingress(
     response = StreamingResponse(body(), status_code=answer.status_code)
     response.raw_headers = [(k.lower(), v) for k, v in answer.headers
                             if k.decode("latin-1").lower() not in DROP_OUT]  # fmt: skip
+    response.raw_headers.append((b"via", INGRESS_VIA.encode()))
     return response
 
 

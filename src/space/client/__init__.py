@@ -25,7 +25,7 @@ if TYPE_CHECKING:
         AsyncSandbox,
         AsyncSpace,
     )
-    from space.client._calls import CreateOptions, ExecOptions, ListFilters
+    from space.client._calls import CreateOptions, ExecOptions, ListFilters, RequestOptions
     from space.client._errors import (
         APIError,
         AuthenticationError,
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         TemplateInfo,
         VolumeInfo,
     )
+    from space.client._pty import AsyncPty, AsyncTerminal, Pty, Terminal
     from space.client._sync import ExecStream, Files, Processes, Sandbox, Space
     from space.client._watch import AsyncFileWatch, FileWatch
 
@@ -59,8 +60,10 @@ __all__ = [
     "AsyncFileWatch",
     "AsyncFiles",
     "AsyncProcesses",
+    "AsyncPty",
     "AsyncSandbox",
     "AsyncSpace",
+    "AsyncTerminal",
     "AuditEvent",
     "AuthenticationError",
     "CheckpointInfo",
@@ -81,18 +84,21 @@ __all__ = [
     "PoolInfo",
     "ProcessInfo",
     "Processes",
+    "Pty",
+    "RequestOptions",
     "Sandbox",
     "SandboxInfo",
     "SecretInfo",
     "Space",
     "SpaceError",
     "TemplateInfo",
+    "Terminal",
     "ValidationError",
     "VolumeInfo",
 ]
 
 # Searched in this order, lightest first: errors and models need no HTTP stack.
-_MODULES = ("_errors", "_models", "_calls", "_watch", "_sync", "_async")
+_MODULES = ("_errors", "_models", "_calls", "_watch", "_pty", "_sync", "_async")
 
 
 def __getattr__(name: str) -> Any:

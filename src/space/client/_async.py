@@ -27,6 +27,7 @@ from space.client._calls import (
     ExecOptions,
     ListFilters,
     ProcessRef,
+    RequestOptions,
     SandboxBase,
     Upload,
     checkpoint_id_of,
@@ -45,6 +46,7 @@ from space.client._models import (
     TemplateInfo,
     VolumeInfo,
 )
+from space.client._pty import AsyncPty
 from space.client._watch import AsyncFileWatch
 
 T = TypeVar("T")
@@ -53,7 +55,7 @@ AsyncUpload = Upload | AsyncIterable[bytes]
 
 
 async def _raise_for_error(response: httpx.Response) -> None:
-    if response.is_error:
+    if response.is_error and not calls.from_the_service(response):
         await response.aread()
         raise error_from_response(response)
 
@@ -345,6 +347,7 @@ class AsyncSandbox(SandboxBase[AsyncSpace]):
         super().__init__(client, info)
         self.files = AsyncFiles(client, info.id)
         self.processes = AsyncProcesses(client, info.id)
+        self.pty = AsyncPty(self.processes)
 
     @classmethod
     async def create(
@@ -404,6 +407,15 @@ class AsyncSandbox(SandboxBase[AsyncSpace]):
     async def audit(self, after: int = 0) -> builtins.list[AuditEvent]:
         """Its gateway's decisions on its egress, oldest first, those numbered after `after`."""
         return await self._client._call(calls.audit(self.id, after))
+
+    async def request(
+        self, port: int, method: str = "GET", path: str = "/", **options: Unpack[RequestOptions]
+    ) -> httpx.Response:
+        """One HTTP request to the service on `port` inside the sandbox; see
+        `space.Sandbox.request`."""
+        with transport_errors(self._client.base_url):
+            url = calls.port_path(self.id, port, path)
+            return await self._client._http.request(method, url, **options)
 
     async def checkpoint(self, name: str = "") -> CheckpointInfo:
         """Memory and disk as they are now (volumes left out), taken while it runs on."""

@@ -37,7 +37,14 @@ from space.client._models import (
 
 T = TypeVar("T")
 HTTPClient = TypeVar("HTTPClient", httpx.Client, httpx.AsyncClient)
-Client = TypeVar("Client")
+
+
+class _HasBaseURL(Protocol):
+    @property
+    def base_url(self) -> str: ...
+
+
+Client = TypeVar("Client", bound=_HasBaseURL)  # Space or AsyncSpace
 
 SANDBOXES = "/v1/sandboxes"
 TEMPLATES = "/v1/templates"
@@ -90,6 +97,19 @@ class ExecOptions(TypedDict, total=False):
     keep_stdin: bool | None  # stdin stays open for `processes.send_stdin`
     background: bool | None  # it outlives its stream: leaving the stream leaves it running
     tag: str | None  # names the running process for `sandbox.processes` (implies background)
+    pty: bool | None  # a terminal: stdout and stderr merge, as they do on a screen
+    rows: int | None  # the PTY's size (default 24 x 80)
+    cols: int | None
+
+
+class RequestOptions(TypedDict, total=False):
+    """An HTTP request to a sandbox's port (`sandbox.request`), as httpx takes it."""
+
+    content: bytes | str
+    json: Any
+    headers: Mapping[str, str]
+    params: Mapping[str, str]
+    timeout: float  # seconds for the answer (default: the client's)
 
 
 @runtime_checkable
@@ -148,6 +168,11 @@ class SandboxBase(Generic[Client]):
     @property
     def state(self) -> str:
         return self.info.state
+
+    def port_url(self, port: int, path: str = "/") -> str:
+        """Where `path` on `port` inside the sandbox is reached through the API; requests to it
+        carry the API key, as `request` sends them."""
+        return self._client.base_url.rstrip("/") + port_path(self.id, port, path)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, state={self.state!r})"
@@ -465,7 +490,8 @@ class Pages:
 def exec_body(command: str | Sequence[str], options: ExecOptions) -> dict[str, Any]:
     """The exec request: a string runs through `/bin/sh -c`, a sequence is the argv itself."""
     body: dict[str, Any] = {"cmd": command} if isinstance(command, str) else {"argv": list(command)}
-    for key in ("env", "cwd", "user", "timeout", "keep_stdin", "background", "tag"):
+    for key in ("env", "cwd", "user", "timeout", "keep_stdin", "background", "tag", "pty",
+                "rows", "cols"):  # fmt: skip
         value = options.get(key)
         if value is not None:
             body[key] = dict(value) if isinstance(value, Mapping) else value
@@ -544,6 +570,21 @@ def resize_process(sandbox_id: str, ref: ProcessRef, rows: int, cols: int) -> Ca
 
 def kill_process(sandbox_id: str, ref: ProcessRef) -> Call[None]:
     return Call("DELETE", _process(sandbox_id, ref), _nothing)
+
+
+# Ingress
+
+# What the API adds to every answer that a sandbox's service gave (RFC 9110 Via): its status is
+# the service's own, not an API error.
+INGRESS_VIA = "1.1 space"
+
+
+def port_path(sandbox_id: str, port: int, path: str = "/") -> str:
+    return _sandbox(sandbox_id, f"/ports/{int(port)}/{path.lstrip('/')}")
+
+
+def from_the_service(response: httpx.Response) -> bool:
+    return INGRESS_VIA in response.headers.get_list("via", split_commas=True)
 
 
 # Files

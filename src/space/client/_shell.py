@@ -35,9 +35,7 @@ from space.client._errors import (
 )
 from space.client._exec import ExecDecoder, ws_output
 from space.client._models import ExecResult
-
-# The user's login shell where the template has bash, else whatever /bin/sh is.
-DEFAULT_SHELL = 'exec "$(command -v bash || echo /bin/sh)" -l'
+from space.client._pty import DEFAULT_SHELL, DEFAULT_TERM
 
 _Input = bytes | tuple[int, int] | None  # keystrokes, a new (rows, cols), or end of input
 
@@ -51,9 +49,10 @@ async def shell(
     """Runs `command` (default: a login shell) in a PTY, attached to this process's terminal,
     until it exits. Output is not collected: it went to the terminal."""
     cols, rows = shutil.get_terminal_size()
-    env = {"TERM": os.environ.get("TERM", "xterm-256color"), **(options.get("env") or {})}
-    body = calls.exec_body(command or DEFAULT_SHELL, {**options, "env": env})
-    body.update(pty=True, rows=rows, cols=cols)
+    env = {"TERM": os.environ.get("TERM", DEFAULT_TERM), **(options.get("env") or {})}
+    body = calls.exec_body(
+        command or DEFAULT_SHELL, {**options, "env": env, "pty": True, "rows": rows, "cols": cols}
+    )
     decoder = ExecDecoder()
     with transport_errors(client.base_url), _websocket_errors():
         async with contextlib.AsyncExitStack() as stack:

@@ -19,6 +19,7 @@ from space.client._calls import (
     ExecOptions,
     ListFilters,
     ProcessRef,
+    RequestOptions,
     SandboxBase,
     Upload,
     checkpoint_id_of,
@@ -37,13 +38,14 @@ from space.client._models import (
     TemplateInfo,
     VolumeInfo,
 )
+from space.client._pty import Pty
 from space.client._watch import FileWatch
 
 T = TypeVar("T")
 
 
 def _raise_for_error(response: httpx.Response) -> None:
-    if response.is_error:
+    if response.is_error and not calls.from_the_service(response):
         response.read()
         raise error_from_response(response)
 
@@ -311,6 +313,7 @@ class Sandbox(SandboxBase[Space]):
         super().__init__(client, info)
         self.files = Files(client, info.id)
         self.processes = Processes(client, info.id)
+        self.pty = Pty(self.processes)
 
     @classmethod
     def create(cls, *, client: Space | None = None, **options: Unpack[CreateOptions]) -> Sandbox:
@@ -367,6 +370,16 @@ class Sandbox(SandboxBase[Space]):
     def audit(self, after: int = 0) -> builtins.list[AuditEvent]:
         """Its gateway's decisions on its egress, oldest first, those numbered after `after`."""
         return self._client._call(calls.audit(self.id, after))
+
+    def request(
+        self, port: int, method: str = "GET", path: str = "/", **options: Unpack[RequestOptions]
+    ) -> httpx.Response:
+        """One HTTP request to the service on `port` inside the sandbox, through the API (the
+        only way in), and its whole answer, whatever its status. The API's own refusals raise:
+        NotFoundError, or APIError 502 when nothing listens there, 504 when nothing answers."""
+        with transport_errors(self._client.base_url):
+            url = calls.port_path(self.id, port, path)
+            return self._client._http.request(method, url, **options)
 
     def checkpoint(self, name: str = "") -> CheckpointInfo:
         """Memory and disk as they are now (volumes left out), taken while it runs on."""
