@@ -27,6 +27,9 @@ COMMANDS = {
     "watch": LazyCommand(
         "space.cli.files:watch", "Print what changes in directory PATH of a sandbox as it happens."
     ),
+    "forward": LazyCommand(
+        "space.cli.ports:forward", "Serve PORT of a sandbox on a local address."
+    ),
     "checkpoint": LazyCommand(
         "space.cli.checkpoints:checkpoint",
         "Checkpoints: a sandbox's memory and disk at one moment, to roll back to or fork from.",
