@@ -5,6 +5,7 @@ the program's exit code at the end; another tenant's key reaches none of it."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -25,6 +26,13 @@ def _until(stream: space.ExecStream, *wanted: bytes) -> bytes:
     raise AssertionError(f"the terminal ended before showing {wanted}: {seen!r}")
 
 
+def _within(seconds: float, done: Callable[[], bool], why: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.2)
+
+
 def test_a_terminal_takes_keys_sizes_and_ctrl_c(platform: Platform) -> None:
     with (
         space.Space(platform.api_url, platform.key_a) as client,
@@ -40,15 +48,14 @@ def test_a_terminal_takes_keys_sizes_and_ctrl_c(platform: Platform) -> None:
         # Ctrl-C goes to the PTY's foreground job: the sleep stops, the shell lives on.
         again = sb.pty.connect("term")
         assert again.pid == term.pid
-        with again.output(replay=False) as screen:
+        sleeping = lambda: sb.exec("pgrep -x sleep").ok  # noqa: E731
+        with again.output() as screen:
             again.write("sleep 300\n")
             # Only once the sleep is the foreground job: a Ctrl-C before it would reach the
             # shell, and the sleep would run its whole time.
-            deadline = time.monotonic() + 60
-            while not sb.exec("pgrep -x sleep").ok:
-                assert time.monotonic() < deadline, "the sleep never started"
-                time.sleep(0.2)
+            _within(60, sleeping, "the sleep never started")
             again.write("\x03")
+            _within(60, lambda: not sleeping(), "Ctrl-C did not stop the sleep")
             again.write("stty size; echo after-$((40+2))\n")
             _until(screen, b"40 120", b"after-42")
         assert term.refresh().running

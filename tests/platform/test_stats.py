@@ -48,7 +48,8 @@ def scrape_live(platform: Platform, sandbox_id: str) -> dict[str, float]:
     """Its figures from a scrape that measured it: one that found its VMM busy past the
     deadline of its status leaves it out, as it leaves out one that went away."""
     deadline = time.monotonic() + 30
-    while not (scraped := scrape(platform, sandbox_id)) and time.monotonic() < deadline:
+    while "space_sandbox_cpu_seconds_total" not in (scraped := scrape(platform, sandbox_id)):
+        assert time.monotonic() < deadline, f"no scrape measured {sandbox_id}: {scraped}"
         time.sleep(1)
     return scraped
 
