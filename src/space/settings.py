@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +64,13 @@ class _Env:
             raise SettingsError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
         return value
 
+    def domain(self, name: str, default: str) -> str:
+        value = self.text(name, default).strip().strip(".").lower()
+        labels = value.split(".")
+        if not all(re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", x) for x in labels):
+            raise SettingsError(f"{name} must be a DNS name such as preview.example.com")
+        return value
+
     def networks(self, name: str) -> tuple[str, ...]:
         """A comma-separated list of private networks an operator may open to sandboxes."""
         raw = [n.strip() for n in self.text(name).split(",") if n.strip()]
@@ -94,6 +102,9 @@ class APISettings:
     # up; past them, 429 with Retry-After. 0: no limit.
     rate_limit: float = 50.0
     rate_burst: int = 200
+    # Preview hosts: `{port}-{sandbox}.{domain}` on the API's port is that sandbox's port at
+    # an origin of its own. Browsers resolve every `*.localhost` name to this machine.
+    preview_domain: str = "localhost"
 
 
 @dataclass(frozen=True)
@@ -224,6 +235,7 @@ class Settings:
                 metrics_token=e.text("SPACE_METRICS_TOKEN"),
                 rate_limit=e.number("SPACE_RATE_LIMIT", 50.0),
                 rate_burst=e.integer("SPACE_RATE_BURST", 200, low=1),
+                preview_domain=e.domain("SPACE_PREVIEW_DOMAIN", "localhost"),
             ),
             controller=ControllerSettings(
                 metrics_address=e.text("SPACE_CONTROLLER_METRICS"),

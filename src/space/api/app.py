@@ -21,6 +21,7 @@ from space.api import (
     join,
     me,
     metrics,
+    previews,
     processes,
     quotas,
     sandboxes,
@@ -33,6 +34,7 @@ from space.api import (
 )
 from space.api.deps import Services
 from space.api.limits import BodyLimit, RateLimiter
+from space.api.previews import PreviewHosts
 from space.db import migrate
 from space.db.listen import Listener
 from space.db.sealing import Sealer
@@ -85,6 +87,8 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     )
     errors.install(app)
     app.add_middleware(BodyLimit)  # before any body is read
+    # Outside the body limit, which looks at the path a preview host's request is given.
+    app.add_middleware(PreviewHosts, domain=settings.api.preview_domain)
     # Outermost: even a refused request has its id and its line.
     app.add_middleware(RequestLog, sandbox_path=SANDBOX_PATH, quiet=QUIET)
     app.include_router(sandboxes.router)
@@ -101,6 +105,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     app.include_router(workers.router)
     app.include_router(join.router)
     app.include_router(ingress.router)
+    app.include_router(previews.router)
     app.include_router(metrics.router)
     app.include_router(console.router)
 

@@ -127,7 +127,7 @@ def services(request: Request) -> Services:
     return svc
 
 
-def _bearer(header: str | None) -> str:
+def bearer(header: str | None) -> str:
     if not header or not header.startswith("Bearer "):
         return ""
     return header[len("Bearer ") :].strip()
@@ -139,6 +139,11 @@ async def authenticate(svc: Services, key: str) -> Tenant:
     tenant = await svc.store.authenticate(key)
     if tenant is None:
         raise APIError(401, "invalid or revoked API key")
+    return admit(svc, tenant)
+
+
+def admit(svc: Services, tenant: Tenant) -> Tenant:
+    """The tenant, unless it is past its rate (429)."""
     logs.bind(tenant=tenant.id)
     if wait := svc.rates.take(tenant.id):
         raise APIError(
@@ -157,12 +162,12 @@ def require_admin(caller: Tenant, what: str) -> None:
 
 
 async def tenant(request: Request) -> Tenant:
-    return await authenticate(services(request), _bearer(request.headers.get("authorization")))
+    return await authenticate(services(request), bearer(request.headers.get("authorization")))
 
 
 async def ws_tenant(websocket: WebSocket) -> Tenant:
     svc: Services = websocket.app.state.services
-    key = _bearer(websocket.headers.get("authorization")) or websocket.query_params.get("token", "")
+    key = bearer(websocket.headers.get("authorization")) or websocket.query_params.get("token", "")
     return await authenticate(svc, key)
 
 

@@ -1,11 +1,12 @@
 """Ingress: HTTP to a port a sandbox listens on, through the API and nothing else.
 
 Sandboxes accept no inbound connection at all (their namespace drops it); this route is the one
-way in, authenticated like every call. The API opens a TCP connection to 127.0.0.1:PORT inside
-the guest through its worker and its agent (`WorkerClient.tcp`), writes the request there and
-streams both ways: the request's body as it arrives (up to the route's cap, `limits`), the
-answer as the service sends it, whatever its size, with backpressure end to end. One request per
-connection (HTTP/1.1 with `Connection: close`); heads are parsed and written by h11, so what
+way in, authenticated like every call (or, at a preview host, by a link: `previews`). The API
+opens a TCP connection to 127.0.0.1:PORT inside the guest through its worker and its agent
+(`WorkerClient.tcp`), writes the request there and streams both ways: the request's body as it
+arrives (up to the route's cap, `limits`), the answer as the service sends it, whatever its
+size, with backpressure end to end. One request per connection (HTTP/1.1 with
+`Connection: close`); heads are parsed and written by h11, so what
 reaches the service is a request the API checked.
 """
 
@@ -20,28 +21,28 @@ from typing import Annotated
 import h11
 import httpx
 import wsproto.events as wse
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from httpx_ws import AsyncWebSocketSession, HTTPXWSException
 from httpx_ws import WebSocketDisconnect as UpstreamDisconnect
 
 from space.api.data import target
-from space.api.deps import Caller, Svc
+from space.api.deps import Svc
 from space.api.errors import APIError
+from space.api.previews import Port, ingress_caller, without_link
 from space.client._calls import INGRESS_VIA
+from space.db.store import Tenant
 from space.worker.api.models import TCP_EOF, TCP_FRAME
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
 
 HEAD_TIMEOUT_S = 60.0  # for the service's answer to begin
 # Not passed on: hop-by-hop headers, framing (h11 frames what it sends), our own credentials.
-DROP_IN = {"host", "authorization", "connection", "keep-alive", "transfer-encoding",
+DROP_IN = {"host", "authorization", "cookie", "connection", "keep-alive", "transfer-encoding",
            "content-length", "te", "upgrade", "proxy-authorization", "proxy-connection",
            "trailer"}  # fmt: skip
 DROP_OUT = {"connection", "keep-alive", "transfer-encoding", "content-length", "trailer",
             "upgrade", "proxy-connection"}  # fmt: skip
-
-Port = Annotated[int, Path(ge=1, le=65535)]
 
 
 class Closed(Exception):
@@ -53,7 +54,12 @@ class Closed(Exception):
 
 
 async def ingress(
-    sandbox_id: str, port: Port, path: str, request: Request, svc: Svc, caller: Caller
+    sandbox_id: str,
+    port: Port,
+    path: str,
+    request: Request,
+    svc: Svc,
+    caller: Annotated[Tenant, Depends(ingress_caller)],
 ) -> Response:
     """Forward the request to 127.0.0.1:PORT inside the sandbox and stream its answer back
     (502 when nothing listens there, 504 when nothing answers in time)."""
@@ -135,6 +141,8 @@ def _request(request: Request, port: int, path: str) -> h11.Request:
     target_ = "/" + path + (f"?{request.url.query}" if request.url.query else "")
     headers = [("Host", f"localhost:{port}"), ("Connection", "close")]
     headers += [(k, v) for k, v in request.headers.items() if k.lower() not in DROP_IN]
+    if cookie := without_link(request.headers.get("cookie", "")):
+        headers.append(("Cookie", cookie))
     length = request.headers.get("content-length")
     if length is not None:
         headers.append(("Content-Length", length))

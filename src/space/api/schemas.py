@@ -383,6 +383,20 @@ class WriteResult(BaseModel):
     size: int
 
 
+LINK_MAX_S = 7 * 24 * 3600
+
+
+class NewLink(Strict):
+    port: int = Field(ge=1, le=65535)
+    expires_in_s: int = Field(3600, ge=1, le=LINK_MAX_S)
+
+
+class Link(BaseModel):
+    url: str  # the port's preview host, with the token a browser trades for a cookie there
+    port: int
+    expires_at: datetime
+
+
 class Problem(BaseModel):
     type: str = "about:blank"
     title: str

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import hmac
 import secrets
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -138,8 +139,19 @@ class TenantQueries(Queries):
     async def authenticate(self, key: str) -> Tenant | None:
         if not key.startswith(KEY_PREFIX) or len(key) > 200:
             return None
+        row = await self._active_key(key_id_of(key))
+        if row is None or not hmac.compare_digest(bytes(row.secret_sha256), _sha256(key)):
+            return None
+        return Tenant(row.id, row.name, bool(row.admin), row.key_id)
+
+    async def tenant_of_key(self, key_id: str) -> Tenant | None:
+        """The tenant of a key that is still active, for what the key signed (a link)."""
+        row = await self._active_key(key_id)
+        return None if row is None else Tenant(row.id, row.name, bool(row.admin), row.key_id)
+
+    async def _active_key(self, key_id: str) -> sa.Row[Any, Any, Any, Any, Any] | None:
         async with self.engine.connect() as c:
-            row = (
+            return (
                 await c.execute(
                     sa.select(
                         t.api_keys.c.id.label("key_id"),
@@ -149,9 +161,6 @@ class TenantQueries(Queries):
                         t.tenants.c.name,
                     )
                     .join(t.tenants, t.tenants.c.id == t.api_keys.c.tenant_id)
-                    .where(t.api_keys.c.id == key_id_of(key), t.api_keys.c.revoked_at.is_(None))
+                    .where(t.api_keys.c.id == key_id, t.api_keys.c.revoked_at.is_(None))
                 )
             ).first()
-        if row is None or not hmac.compare_digest(bytes(row.secret_sha256), _sha256(key)):
-            return None
-        return Tenant(row.id, row.name, bool(row.admin), row.key_id)

@@ -1,0 +1,174 @@
+"""Preview hosts: a sandbox's port at an origin of its own, `{port}-{sandbox}.{domain}` on the
+API's address, and the signed, expiring links that open one in a browser without a key.
+
+A request whose Host names a preview host is rewritten to the ingress route
+(`/v1/sandboxes/{sandbox}/ports/{port}/…`), so nothing else of the API answers there, and a
+page a sandbox serves shares no origin with the API, its console or another sandbox. Private
+by default: the ingress asks for the API key, or for a link's cookie on that host. A link
+carries `?space_link=TOKEN`; the first request trades it for a cookie of that host only (303
+to the same URL without it), so what the page then loads carries it too.
+
+A token is sealed with the secrets key (AES-GCM: it cannot be forged, altered or read) and
+names the API key that made it (revoking the key ends its links at once), the sandbox, the
+port and its end. It never reaches the sandbox: the ingress drops its cookie.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated
+from urllib.parse import parse_qsl, urlencode
+
+from fastapi import APIRouter, Path, Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from space.api.deps import Caller, Svc, admit, authenticate, bearer
+from space.api.errors import APIError
+from space.api.schemas import Link, NewLink
+from space.db.sealing import Sealer, SealError
+from space.db.store import Tenant
+from space.problem import problem
+
+router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
+
+LINK_PARAM = "space_link"
+COOKIE = "space_link"
+PREVIEW = "space.preview"  # in the scope of a request that came to a preview host
+CONTEXT = "preview link"  # what the seal is bound to: a token is good for nothing else
+MAX_TOKEN = 1024
+
+Port = Annotated[int, Path(ge=1, le=65535)]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a link's token says: the key that made it, the sandbox and port it opens, until."""
+
+    key_id: str
+    sandbox_id: str
+    port: int
+    expires: int  # unix time
+
+    def opens(self, sandbox_id: str, port: int) -> bool:
+        return (self.sandbox_id, self.port) == (sandbox_id, port) and time.time() < self.expires
+
+    def seal(self, sealer: Sealer) -> str:
+        plain = json.dumps([self.key_id, self.sandbox_id, self.port, self.expires]).encode()
+        kid, blob = sealer.seal(plain, CONTEXT)
+        return f"{kid}.{base64.urlsafe_b64encode(blob).decode().rstrip('=')}"
+
+    @classmethod
+    def open(cls, sealer: Sealer, token: str) -> Grant | None:
+        """The grant of a token this deployment sealed; None for anything else."""
+        kid, _, b64 = token.rpartition(".")
+        if not kid or len(token) > MAX_TOKEN:
+            return None
+        try:
+            blob = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4))
+            key_id, sandbox_id, port, expires = json.loads(sealer.open(kid, blob, CONTEXT))
+        except (SealError, binascii.Error, ValueError, TypeError):
+            return None
+        return cls(str(key_id), str(sandbox_id), int(port), int(expires))
+
+
+class PreviewHosts:
+    """ASGI middleware: a request to a preview host goes to its port's ingress route, and a
+    link's token in its query is traded for the host's cookie first."""
+
+    def __init__(self, app: ASGIApp, domain: str) -> None:
+        self.app = app
+        self.host = re.compile(
+            rf"(\d{{1,5}})-([a-z0-9][a-z0-9-]{{0,99}})\.{re.escape(domain)}\.?(?::\d{{1,5}})?"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        found = self._preview(scope) if scope["type"] == "http" else None
+        if found is None:
+            await self.app(scope, receive, send)
+            return
+        sandbox_id, port = found
+        query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+        tokens = [v for k, v in query if k == LINK_PARAM]
+        if tokens:
+            rest = urlencode([(k, v) for k, v in query if k != LINK_PARAM])
+            sealer: Sealer = scope["app"].state.services.sealer
+            answer = _trade(sealer, tokens[0], sandbox_id, port, scope, rest)
+            await answer(scope, receive, send)
+            return
+        prefix = f"/v1/sandboxes/{sandbox_id}/ports/{port}"
+        raw = scope.get("raw_path") or scope["path"].encode()
+        scope = {**scope, "path": prefix + scope["path"], "raw_path": prefix.encode() + raw,
+                 PREVIEW: found}  # fmt: skip
+        await self.app(scope, receive, send)
+
+    def _preview(self, scope: Scope) -> tuple[str, int] | None:
+        host = next((v for k, v in scope["headers"] if k == b"host"), b"")
+        found = self.host.fullmatch(host.decode("latin-1").lower())
+        if found is None or not 1 <= int(found[1]) <= 65535:
+            return None
+        return found[2], int(found[1])
+
+
+def _trade(
+    sealer: Sealer, token: str, sandbox_id: str, port: int, scope: Scope, rest: str
+) -> Response:
+    grant = Grant.open(sealer, token)
+    if grant is None or not grant.opens(sandbox_id, port):
+        return problem(401, "this link is not valid for this preview host, or it expired")
+    # Its own path only: "//elsewhere" would be a redirect to another site.
+    path = "/" + (scope.get("raw_path") or scope["path"].encode()).decode("latin-1").lstrip("/")
+    response = Response(status_code=303, headers={"Location": path + (rest and f"?{rest}")})
+    response.set_cookie(
+        COOKIE, token, max_age=max(1, grant.expires - int(time.time())), path="/",
+        secure=scope["scheme"] == "https", httponly=True, samesite="lax",
+    )  # fmt: skip
+    return response
+
+
+async def ingress_caller(sandbox_id: str, port: Port, request: Request, svc: Svc) -> Tenant:
+    """The caller of an ingress request: by its API key, or on a preview host by the cookie
+    of a link to this very port of this sandbox, made by a key that is still active."""
+    key = bearer(request.headers.get("authorization"))
+    if key or PREVIEW not in request.scope:
+        return await authenticate(svc, key)
+    token = request.cookies.get(COOKIE)
+    if token is None:
+        raise APIError(401, "a preview host needs 'Authorization: Bearer <key>' or a link "
+                            "(POST /v1/sandboxes/{id}/links)")  # fmt: skip
+    grant = Grant.open(svc.sealer, token)
+    if grant is None or not grant.opens(sandbox_id, port):
+        raise APIError(401, "this link is not valid for this preview host, or it expired")
+    tenant = await svc.store.tenant_of_key(grant.key_id)
+    if tenant is None:
+        raise APIError(401, "the key that made this link was revoked")
+    return admit(svc, tenant)
+
+
+def without_link(cookie: str) -> str:
+    """A Cookie header without the link's cookie, which is ours and not the service's."""
+    kept = [c for c in cookie.split(";") if c.strip().partition("=")[0] != COOKIE]
+    return ";".join(kept).strip()
+
+
+@router.post("/links", response_model=Link, status_code=201)
+async def create_link(
+    sandbox_id: str, body: NewLink, request: Request, svc: Svc, caller: Caller
+) -> Link:
+    """A link that opens the port at its preview host, in a browser and without a key, until
+    it expires or the key making this call is revoked; whoever holds it can use it."""
+    await svc.store.get_sandbox(sandbox_id, caller.id)  # 404 for anyone else's
+    if caller.key_id is None:
+        raise APIError(403, "only a call made with an API key can sign a link")
+    grant = Grant(caller.key_id, sandbox_id, body.port, int(time.time()) + body.expires_in_s)
+    host = f"{body.port}-{sandbox_id}.{svc.settings.api.preview_domain}"
+    if request.url.port is not None:
+        host += f":{request.url.port}"
+    url = f"{request.url.scheme}://{host}/?{LINK_PARAM}={grant.seal(svc.sealer)}"
+    return Link(url=url, port=body.port, expires_at=datetime.fromtimestamp(grant.expires, UTC))
