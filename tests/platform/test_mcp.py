@@ -135,6 +135,11 @@ async def test_an_mcp_client_does_a_whole_task_over_stdio(platform: Platform) ->
             url = (await _call(client, "expose_port", sandbox_id=sid, port=8000))["url"]
             assert url == f"{platform.api_url}/v1/sandboxes/{sid}/ports/8000/"
             assert _served(url + "i.html", platform.key_a) == "via-mcp\n"
+            # And for a browser, a link to its preview host that needs no key.
+            shared = await _call(client, "expose_port", sandbox_id=sid, port=8000,
+                                 link_for_s=600)  # fmt: skip
+            assert shared["url"] == url and shared["link_expires_at"]
+            assert _linked(shared["link"], sid, platform.api_url) == "via-mcp\n"
 
             # What the model gets wrong comes back as a tool error it can read.
             assert "404" in await _refused(client, "run_command", sandbox_id="sb-nope",
@@ -164,6 +169,16 @@ def _served(url: str, key: str) -> str:
         time.sleep(0.3)
     assert r.status_code == 200, r.text
     return r.text
+
+
+def _linked(url: str, sandbox_id: str, api_url: str) -> str:
+    """The page a link opens: its token traded for the cookie, then the page with it."""
+    link = httpx.URL(url)
+    assert link.host == f"8000-{sandbox_id}.localhost", link
+    host = {"Host": link.netloc.decode()}
+    traded = httpx.get(f"{api_url}/i.html?{link.query.decode()}", headers=host)
+    assert traded.status_code == 303, traded.text
+    return httpx.get(f"{api_url}/i.html", headers=host, cookies=traded.cookies).text
 
 
 @pytest.fixture(scope="module")

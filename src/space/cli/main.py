@@ -30,6 +30,10 @@ COMMANDS = {
     "forward": LazyCommand(
         "space.cli.ports:forward", "Serve PORT of a sandbox on a local address."
     ),
+    "link": LazyCommand(
+        "space.cli.ports:link",
+        "Print a link that opens PORT of a sandbox in a browser, without a key.",
+    ),
     "checkpoint": LazyCommand(
         "space.cli.checkpoints:checkpoint",
         "Checkpoints: a sandbox's memory and disk at one moment, to roll back to or fork from.",

@@ -1,4 +1,5 @@
-"""`space forward`: a port of a sandbox on a local address, for a browser or curl.
+"""`space forward`: a port of a sandbox on a local address, for a browser or curl; `space link`:
+one at its preview host for anyone holding the link (`api/previews.py`).
 
 Sandboxes accept no inbound connection; the API's ingress route is the one way in and wants
 the API key. This command listens on a local address (loopback unless told otherwise) and
@@ -133,3 +134,34 @@ def forward(
     # uvicorn stops on Ctrl-C, then raises it again: a stop asked for, not an error.
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve())
+
+
+@click.command()
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
+@click.argument("port", type=click.IntRange(1, 65535))
+@click.option("--expires", "expires_in_s", type=click.IntRange(1, 7 * 24 * 3600), default=3600,
+              show_default=True, help="Seconds the link works for (at most a week).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the link as JSON.")
+@_api_options
+def link(
+    api_url: str | None,
+    api_key: str | None,
+    sandbox_id: str,
+    port: int,
+    expires_in_s: int,
+    as_json: bool,
+) -> None:
+    """Print a link that opens PORT of a sandbox in a browser, without a key. Whoever holds it
+    can use it until it expires or your key is revoked."""
+    import json
+
+    from space.client import Sandbox, Space
+
+    with _sdk_errors(), Space(api_url, api_key) as space:
+        made = Sandbox.get(sandbox_id, client=space).link(port, expires_in_s)
+    if as_json:
+        when = made.expires_at.isoformat()
+        click.echo(json.dumps({"url": made.url, "port": made.port, "expires_at": when}))
+    else:
+        click.echo(made.url)
+        click.echo(f"works until {made.expires_at:%Y-%m-%d %H:%M:%S %Z}", err=True)

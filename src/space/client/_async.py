@@ -40,6 +40,7 @@ from space.client._models import (
     Event,
     ExecResult,
     FileEntry,
+    PreviewLink,
     ProcessInfo,
     SandboxInfo,
     SecretInfo,
@@ -407,6 +408,12 @@ class AsyncSandbox(SandboxBase[AsyncSpace]):
     async def audit(self, after: int = 0) -> builtins.list[AuditEvent]:
         """Its gateway's decisions on its egress, oldest first, those numbered after `after`."""
         return await self._client._call(calls.audit(self.id, after))
+
+    async def link(self, port: int, expires_in_s: int = 3600) -> PreviewLink:
+        """A link to `port` at the sandbox's preview host (`{port}-{sandbox}.{domain}`) that
+        opens it in a browser with no key, for `expires_in_s` (at most a week); whoever holds
+        it can use it until then."""
+        return await self._client._call(calls.link(self.id, port, expires_in_s))
 
     async def request(
         self, port: int, method: str = "GET", path: str = "/", **options: Unpack[RequestOptions]

@@ -28,6 +28,7 @@ from space.client._models import (
     CheckpointInfo,
     Event,
     FileEntry,
+    PreviewLink,
     ProcessInfo,
     SandboxInfo,
     SecretInfo,
@@ -577,6 +578,15 @@ def kill_process(sandbox_id: str, ref: ProcessRef) -> Call[None]:
 # What the API adds to every answer that a sandbox's service gave (RFC 9110 Via): its status is
 # the service's own, not an API error.
 INGRESS_VIA = "1.1 space"
+
+
+def link(sandbox_id: str, port: int, expires_in_s: int) -> Call[PreviewLink]:
+    return Call(
+        "POST",
+        _sandbox(sandbox_id, "/links"),
+        _json(PreviewLink.from_json),
+        body={"port": port, "expires_in_s": expires_in_s},
+    )
 
 
 def port_path(sandbox_id: str, port: int, path: str = "/") -> str:

@@ -286,6 +286,20 @@ class Event:
 
 
 @dataclass(frozen=True)
+class PreviewLink:
+    """A link that opens a sandbox's port at its preview host in a browser, without a key,
+    until `expires_at` (or until the key that made it is revoked)."""
+
+    url: str
+    port: int
+    expires_at: datetime
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PreviewLink:
+        return cls(url=data["url"], port=data["port"], expires_at=_time(data["expires_at"]))
+
+
+@dataclass(frozen=True)
 class AuditEvent:
     """One decision of the sandbox's gateway on its egress (`kind`: dns, tcp, tls, http, https,
     policy; `decision`: allow or deny)."""

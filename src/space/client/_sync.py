@@ -32,6 +32,7 @@ from space.client._models import (
     Event,
     ExecResult,
     FileEntry,
+    PreviewLink,
     ProcessInfo,
     SandboxInfo,
     SecretInfo,
@@ -370,6 +371,12 @@ class Sandbox(SandboxBase[Space]):
     def audit(self, after: int = 0) -> builtins.list[AuditEvent]:
         """Its gateway's decisions on its egress, oldest first, those numbered after `after`."""
         return self._client._call(calls.audit(self.id, after))
+
+    def link(self, port: int, expires_in_s: int = 3600) -> PreviewLink:
+        """A link to `port` at the sandbox's preview host (`{port}-{sandbox}.{domain}`) that
+        opens it in a browser with no key, for `expires_in_s` (at most a week); whoever holds
+        it can use it until then."""
+        return self._client._call(calls.link(self.id, port, expires_in_s))
 
     def request(
         self, port: int, method: str = "GET", path: str = "/", **options: Unpack[RequestOptions]

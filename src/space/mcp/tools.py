@@ -261,13 +261,29 @@ class SandboxTools:
         ctx: Context,
         sandbox_id: SandboxId,
         port: Annotated[int, Field(ge=1, le=65535, description="where a server listens in it")],
+        link_for_s: Annotated[
+            int,
+            Field(
+                ge=0,
+                le=7 * 24 * 3600,
+                description=(
+                    "if not 0, also a link that opens the port in a browser without a key, for "
+                    "this many seconds; anyone who holds it can use it"
+                ),
+            ),
+        ] = 0,
     ) -> dict[str, Any]:
         """The URL at which a server listening on `port` inside the sandbox answers HTTP
-        (sandboxes take no inbound connection: the API relays it)."""
+        (sandboxes take no inbound connection: the API relays it), and a link for a browser
+        when asked for."""
         async with self._client(ctx) as client:
             sb = await AsyncSandbox.get(sandbox_id, client=client)
-            url = f"{client.base_url.rstrip('/')}/v1/sandboxes/{sb.id}/ports/{port}/"
-        return {"url": url, "auth": "send the same SPACE API key: Authorization: Bearer <key>"}
+            auth = "send the same SPACE API key: Authorization: Bearer <key>"
+            answer = {"url": sb.port_url(port), "auth": auth}
+            if link_for_s:
+                link = await sb.link(port, link_for_s)
+                answer |= {"link": link.url, "link_expires_at": link.expires_at.isoformat()}
+        return answer
 
     async def delete_sandbox(self, ctx: Context, sandbox_id: SandboxId) -> dict[str, Any]:
         """Delete the sandbox: its VM, its disk and everything in it."""
