@@ -7,6 +7,7 @@ through."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
@@ -82,6 +83,19 @@ def at(platform: Platform, host: str, target: str, **headers: str) -> httpx.Resp
     return httpx.get(platform.api_url + target, headers={"Host": host, **headers}, timeout=60)
 
 
+def raw_location(platform: Platform, host: str, target: str) -> str:
+    """The Location of the answer to a request target sent as it is (httpx would encode it)."""
+    with socket.create_connection(("127.0.0.1", urlsplit(platform.api_url).port), 30) as s:
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    assert head[0].split()[1] == "303", head
+    fields = dict(line.split(": ", 1) for line in head[1:])
+    return {k.lower(): v for k, v in fields.items()}["location"]
+
+
 def token_of(link: space.PreviewLink) -> str:
     query = urlsplit(link.url).query
     assert query.startswith("space_link="), link.url
@@ -133,6 +147,9 @@ def test_a_link_opens_one_port_of_one_sandbox_until_it_ends(
     # A path that would send the browser off the site stays on it.
     r = at(platform, host, f"//elsewhere.example/x?space_link={token}")
     assert r.status_code == 303 and r.headers["location"] == "/elsewhere.example/x"
+    assert raw_location(platform, host, f"/\\elsewhere.example/?space_link={token}") == (
+        "/elsewhere.example/"  # browsers read "/\\x" as "//x"
+    )
 
     # Not another port, not another sandbox, not altered, not forged.
     with space.Sandbox.create(client=client) as other:

@@ -122,8 +122,10 @@ def _trade(
     grant = Grant.open(sealer, token)
     if grant is None or not grant.opens(sandbox_id, port):
         return problem(401, "this link is not valid for this preview host, or it expired")
-    # Its own path only: "//elsewhere" would be a redirect to another site.
-    path = "/" + (scope.get("raw_path") or scope["path"].encode()).decode("latin-1").lstrip("/")
+    # Its own path only: "//elsewhere" (or "/\\elsewhere", which browsers read alike) would
+    # be a redirect to another site.
+    raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+    path = "/" + raw.lstrip("/\\")
     response = Response(status_code=303, headers={"Location": path + (rest and f"?{rest}")})
     response.set_cookie(
         COOKIE, token, max_age=max(1, grant.expires - int(time.time())), path="/",
