@@ -9,7 +9,7 @@ tag. `space shell` is the interactive twin, attached to the local terminal.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Unpack
+from typing import TYPE_CHECKING, Generic, TypeVar, Unpack
 
 from space.client._calls import ExecOptions, ProcessRef
 from space.client._models import ExecResult, ProcessInfo
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 DEFAULT_SHELL = 'exec "$(command -v bash || echo /bin/sh)" -l'
 DEFAULT_TERM = "xterm-256color"
 
+P = TypeVar("P")
+
 
 def pty_options(options: ExecOptions) -> ExecOptions:
     """A terminal's start: a PTY (24 x 80 unless `rows`, `cols`), stdin kept open, TERM set
@@ -31,16 +33,21 @@ def pty_options(options: ExecOptions) -> ExecOptions:
     return {**options, "env": env, "pty": True, "keep_stdin": True, "background": True}
 
 
-class Terminal:
-    """One terminal in a sandbox; `info` is the process as it was when this handle was made."""
+class TerminalBase(Generic[P]):
+    """The I/O-free part of `Terminal` and `AsyncTerminal`; `info` is the process as it was
+    when this handle was made."""
 
-    def __init__(self, processes: Processes, info: ProcessInfo) -> None:
+    def __init__(self, processes: P, info: ProcessInfo) -> None:
         self._processes = processes
         self.info = info
 
     @property
     def pid(self) -> int:
         return self.info.pid
+
+
+class Terminal(TerminalBase["Processes"]):
+    """One terminal in a sandbox."""
 
     def write(self, data: bytes | str) -> None:
         """Keystrokes: `"ls\\n"`, or `"\\x03"` for Ctrl-C."""
@@ -87,16 +94,8 @@ class Pty:
         return Terminal(self._processes, self._processes.get(ref))
 
 
-class AsyncTerminal:
+class AsyncTerminal(TerminalBase["AsyncProcesses"]):
     """One terminal in a sandbox; see `space.Terminal`."""
-
-    def __init__(self, processes: AsyncProcesses, info: ProcessInfo) -> None:
-        self._processes = processes
-        self.info = info
-
-    @property
-    def pid(self) -> int:
-        return self.info.pid
 
     async def write(self, data: bytes | str) -> None:
         await self._processes.send_stdin(self.pid, data)
