@@ -43,6 +43,7 @@ COOKIE = "space_link"
 PREVIEW = "space.preview"  # in the scope of a request that came to a preview host
 CONTEXT = "preview link"  # what the seal is bound to: a token is good for nothing else
 MAX_TOKEN = 1024
+INVALID = "this link is not valid for this preview host, or it expired"
 
 Port = Annotated[int, Path(ge=1, le=65535)]
 
@@ -116,12 +117,18 @@ class PreviewHosts:
         return found[2], int(found[1])
 
 
+def _granted(sealer: Sealer, token: str, sandbox_id: str, port: int) -> Grant | None:
+    """The token's grant if it opens this port of this sandbox now."""
+    grant = Grant.open(sealer, token)
+    return grant if grant is not None and grant.opens(sandbox_id, port) else None
+
+
 def _trade(
     sealer: Sealer, token: str, sandbox_id: str, port: int, scope: Scope, rest: str
 ) -> Response:
-    grant = Grant.open(sealer, token)
-    if grant is None or not grant.opens(sandbox_id, port):
-        return problem(401, "this link is not valid for this preview host, or it expired")
+    grant = _granted(sealer, token, sandbox_id, port)
+    if grant is None:
+        return problem(401, INVALID)
     # Its own path only: "//elsewhere" (or "/\\elsewhere", which browsers read alike) would
     # be a redirect to another site.
     raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
@@ -144,9 +151,9 @@ async def ingress_caller(sandbox_id: str, port: Port, request: Request, svc: Svc
     if token is None:
         raise APIError(401, "a preview host needs 'Authorization: Bearer <key>' or a link "
                             "(POST /v1/sandboxes/{id}/links)")  # fmt: skip
-    grant = Grant.open(svc.sealer, token)
-    if grant is None or not grant.opens(sandbox_id, port):
-        raise APIError(401, "this link is not valid for this preview host, or it expired")
+    grant = _granted(svc.sealer, token, sandbox_id, port)
+    if grant is None:
+        raise APIError(401, INVALID)
     tenant = await svc.store.tenant_of_key(grant.key_id)
     if tenant is None:
         raise APIError(401, "the key that made this link was revoked")
