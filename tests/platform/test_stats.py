@@ -31,8 +31,10 @@ def stats(c: httpx.Client, sandbox_id: str) -> dict[str, Any]:
     return dict(r.json())
 
 
-def scrape(platform: Platform, sandbox_id: str) -> dict[str, float]:
-    url = platform.worker_metrics[platform.worker_id]
+def scrape(platform: Platform, sb: dict[str, Any]) -> dict[str, float]:
+    """Its figures in the metrics of the worker it runs on (an earlier test may have added one)."""
+    sandbox_id = sb["id"]
+    url = platform.worker_metrics[sb["worker_id"]]
     assert httpx.get(url, timeout=30).status_code == 401  # the token is needed
     r = httpx.get(url, headers={"Authorization": f"Bearer {platform.metrics_token}"}, timeout=30)
     assert r.status_code == 200, r.text
@@ -44,12 +46,12 @@ def scrape(platform: Platform, sandbox_id: str) -> dict[str, float]:
     }
 
 
-def scrape_live(platform: Platform, sandbox_id: str) -> dict[str, float]:
+def scrape_live(platform: Platform, sb: dict[str, Any]) -> dict[str, float]:
     """Its figures from a scrape that measured it: one that found its VMM busy past the
     deadline of its status leaves it out, as it leaves out one that went away."""
     deadline = time.monotonic() + 30
-    while "space_sandbox_cpu_seconds_total" not in (scraped := scrape(platform, sandbox_id)):
-        assert time.monotonic() < deadline, f"no scrape measured {sandbox_id}: {scraped}"
+    while "space_sandbox_cpu_seconds_total" not in (scraped := scrape(platform, sb)):
+        assert time.monotonic() < deadline, f"no scrape measured {sb['id']}: {scraped}"
         time.sleep(1)
     return scraped
 
@@ -62,7 +64,7 @@ def test_figures_move_with_what_the_sandbox_does(platform: Platform) -> None:
         assert before["id"] == sid and before["state"] == "running"
         assert before["vcpus"] == sb["vcpus"] and before["memory_mib"] == sb["memory_mib"]
         assert all(isinstance(before[k], int | float) for k in FIGURES), before
-        scraped_before = scrape_live(platform, sid)
+        scraped_before = scrape_live(platform, sb)
 
         _, err, code = run(c, sid, WORK)
         assert code == 0, err
@@ -78,7 +80,7 @@ def test_figures_move_with_what_the_sandbox_does(platform: Platform) -> None:
         assert after["net_rx_bytes"] > before["net_rx_bytes"] + 100, (before, after)
         assert after["net_tx_bytes"] > before["net_tx_bytes"] + 100, (before, after)
 
-        scraped = scrape_live(platform, sid)
+        scraped = scrape_live(platform, sb)
         assert scraped["space_sandbox_cpu_seconds_total"] >= after["cpu_seconds"]
         assert scraped["space_sandbox_cpu_seconds_total"] > (
             scraped_before["space_sandbox_cpu_seconds_total"] + 1.0
@@ -98,6 +100,6 @@ def test_figures_move_with_what_the_sandbox_does(platform: Platform) -> None:
         assert r.status_code == 409 and r.json()["state"] == "paused", r.text
         assert c.delete(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"
         deadline = time.monotonic() + 30
-        while sid in str(scrape(platform, sid)) and time.monotonic() < deadline:
+        while sid in str(scrape(platform, sb)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert scrape(platform, sid) == {}  # a deleted sandbox leaves the metrics
+        assert scrape(platform, sb) == {}  # a deleted sandbox leaves the metrics
