@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up setup deps test-deps venv images test lint bench console
+.PHONY: up setup deps test-deps venv images test lint bench console proto
 
 # The whole platform on this machine, in the foreground: prints the API URL and a key.
 # The packages and the Python environment first, then `space doctor`, which stops here on what
@@ -52,6 +52,15 @@ test: setup test-deps lint
 # packages of its lock file, then esbuild. Only for changing the console; `up` never needs it.
 console:
 	cd console && npm ci --no-audit --no-fund && npm run build
+
+# The envd wire code (src/space/e2b/proto/*/*_pb.py, *_connect.py, committed) from its .proto
+# files. Only for changing them.
+proto: venv
+	$(BIN)/pip install -q -e '.[codegen]'
+	cd src/space/e2b/proto && ../../../../$(BIN)/python -m grpc_tools.protoc -I . \
+		--plugin=protoc-gen-py=../../../../$(BIN)/protoc-gen-py \
+		--plugin=protoc-gen-connectrpc=../../../../$(BIN)/protoc-gen-connectrpc \
+		--py_out=. --connectrpc_out=. process/process.proto filesystem/filesystem.proto
 
 bench: setup
 	$(BIN)/python bench/vm_runtime.py --json bench/results/vm_runtime.json

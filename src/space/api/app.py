@@ -39,6 +39,7 @@ from space.db import migrate
 from space.db.listen import Listener
 from space.db.sealing import Sealer
 from space.db.store import Store, connect
+from space.e2b import app as e2b
 from space.identity import WorkerCA
 from space.logs import RequestLog
 from space.settings import Settings
@@ -108,6 +109,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     app.include_router(previews.router)
     app.include_router(metrics.router)
     app.include_router(console.router)
+    app.mount(e2b.PREFIX, e2b.create(app.state))
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,26 +38,31 @@ def worker_status(e: WorkerError) -> int:
     return 502
 
 
-def install(app: FastAPI) -> None:
+Render = Callable[..., JSONResponse]  # (status, detail, headers=None, **extra) -> the answer
+
+
+def install(app: FastAPI, render: Render = problem) -> None:
+    """Every error as `render` says (by default a problem document; the E2B surface its own)."""
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return problem(e.status, e.detail, headers=e.headers, **e.extra)
+        return render(e.status, e.detail, headers=e.headers, **e.extra)
 
     @app.exception_handler(NotFound)
     async def not_found(_: Request, e: NotFound) -> JSONResponse:
-        return problem(404, f"no sandbox {e}")
+        return render(404, f"no sandbox {e}")
 
     @app.exception_handler(Conflict)
     async def conflict(_: Request, e: Conflict) -> JSONResponse:
-        return problem(409, str(e), state=e.state)
+        return render(409, str(e), state=e.state)
 
     @app.exception_handler(Refused)
     async def refused(_: Request, e: Refused) -> JSONResponse:
-        return problem(e.status, str(e))
+        return render(e.status, str(e))
 
     @app.exception_handler(WorkerError)
     async def worker_error(_: Request, e: WorkerError) -> JSONResponse:
-        return problem(worker_status(e), e.detail)
+        return render(worker_status(e), e.detail)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -64,13 +70,13 @@ def install(app: FastAPI) -> None:
             {"loc": list(err.get("loc", ())), "msg": str(err.get("msg", ""))} for err in e.errors()
         ]
         detail = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors)
-        return problem(422, detail or "invalid request", errors=errors)
+        return render(422, detail or "invalid request", errors=errors)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return problem(e.status_code, str(e.detail))
+        return render(e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return problem(500, "internal error; it has been logged")
+        return render(500, "internal error; it has been logged")

@@ -20,13 +20,14 @@ STREAMED = re.compile(r"^/v1/sandboxes/[^/]+/files$")
 INGRESS = re.compile(r"^/v1/sandboxes/[^/]+/ports/")
 STDIN_BODY = 16 << 20  # raw input for a running process, in one call
 STDIN = re.compile(r"^/v1/sandboxes/[^/]+/processes/[^/]+/stdin$")
+E2B_FILES = "/e2b/envd/files"  # a multipart form is spooled to disk before it goes on
 
 
 def cap_for(method: str, path: str) -> int | None:
     """The most bytes of body a request to `path` may carry; None: streamed, not capped."""
     if method == "PUT" and STREAMED.match(path):
         return None
-    if INGRESS.match(path):
+    if INGRESS.match(path) or (method == "POST" and path == E2B_FILES):
         return INGRESS_BODY
     if STDIN.match(path):
         return STDIN_BODY

@@ -60,20 +60,20 @@ class Grant:
     def opens(self, sandbox_id: str, port: int) -> bool:
         return (self.sandbox_id, self.port) == (sandbox_id, port) and time.time() < self.expires
 
-    def seal(self, sealer: Sealer) -> str:
+    def seal(self, sealer: Sealer, context: str = CONTEXT) -> str:
         plain = json.dumps([self.key_id, self.sandbox_id, self.port, self.expires]).encode()
-        kid, blob = sealer.seal(plain, CONTEXT)
+        kid, blob = sealer.seal(plain, context)
         return f"{kid}.{base64.urlsafe_b64encode(blob).decode().rstrip('=')}"
 
     @classmethod
-    def open(cls, sealer: Sealer, token: str) -> Grant | None:
-        """The grant of a token this deployment sealed; None for anything else."""
+    def open(cls, sealer: Sealer, token: str, context: str = CONTEXT) -> Grant | None:
+        """The grant of a token this deployment sealed for `context`; None for anything else."""
         kid, _, b64 = token.rpartition(".")
         if not kid or len(token) > MAX_TOKEN:
             return None
         try:
             blob = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4))
-            key_id, sandbox_id, port, expires = json.loads(sealer.open(kid, blob, CONTEXT))
+            key_id, sandbox_id, port, expires = json.loads(sealer.open(kid, blob, context))
         except (SealError, binascii.Error, ValueError, TypeError):
             return None
         return cls(str(key_id), str(sandbox_id), int(port), int(expires))

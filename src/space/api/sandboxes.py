@@ -63,12 +63,12 @@ def _settled(row: Row) -> bool:
     )
 
 
-def _cursor(row: Row) -> str:
+def page_cursor(row: Row) -> str:
     raw = json.dumps([row["created_at"].isoformat(), row["id"]]).encode()
     return base64.urlsafe_b64encode(raw).decode()
 
 
-def _parse_cursor(cursor: str) -> tuple[datetime, str]:
+def parse_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         created, sid = json.loads(base64.urlsafe_b64decode(cursor.encode()))
         return datetime.fromisoformat(created), str(sid)
@@ -285,13 +285,13 @@ async def list_sandboxes(
         template=template,
         metadata=metadata or None,
         limit=limit + 1,
-        after=_parse_cursor(cursor) if cursor else None,
+        after=parse_cursor(cursor) if cursor else None,
     )
     more = len(rows) > limit
     rows = rows[:limit]
     return SandboxList(
         items=[Sandbox.from_row(r) for r in rows],
-        next_cursor=_cursor(rows[-1]) if more else None,
+        next_cursor=page_cursor(rows[-1]) if more else None,
     )
 
 

@@ -84,6 +84,7 @@ class SandboxQueries(Queries):
         tenant_id: str,
         *,
         state: str | None = None,
+        states: Sequence[str] | None = None,
         template: str | None = None,
         metadata: dict[str, str] | None = None,
         limit: int = 50,
@@ -93,6 +94,8 @@ class SandboxQueries(Queries):
         q = sa.select(t.sandboxes).where(s.tenant_id == tenant_id)
         if state:
             q = q.where(s.state == state)
+        if states is not None:
+            q = q.where(s.state.in_(states))
         if template:
             q = q.where(s.template == template)
         if metadata:

@@ -405,6 +405,14 @@ class WorkerClient:
         params = {"replay": str(replay).lower()}
         return self._stream("GET", w, w.vm(vm_id, "processes", ref, "output"), params=params)
 
+    @asynccontextmanager
+    async def process_events(
+        self, w: Worker, vm_id: str, ref: str, replay: bool
+    ) -> AsyncIterator[AsyncIterator[ExecEvent]]:
+        """The events of a process followed, parsed (as `exec_events`')."""
+        async with self.process_output(w, vm_id, ref, replay) as resp:
+            yield _events(resp)
+
     def process_ws(
         self, w: Worker, vm_id: str, ref: str, replay: bool
     ) -> AbstractAsyncContextManager[AsyncWebSocketSession]:

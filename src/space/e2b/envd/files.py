@@ -1,0 +1,119 @@
+"""envd's plain HTTP: `GET /files` (a file's bytes), `POST /files` (one file as the raw body,
+gzip or not, or several as multipart parts named `file` whose file names are their paths),
+and `GET /health` (204 while the sandbox runs, 502 when it does not, which the SDKs read as
+"not running")."""
+
+from __future__ import annotations
+
+import posixpath
+import zlib
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Annotated, Any
+
+from connectrpc.errors import ConnectError
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.datastructures import UploadFile
+
+from space.api.data import relay
+from space.api.deps import Svc
+from space.api.errors import APIError
+from space.db.store import NotFound
+from space.e2b import tokens
+from space.e2b.envd.target import USER, Target, resolve
+
+router = APIRouter(prefix="/envd", tags=["e2b"])
+
+CHUNK = 1 << 20
+MAX_PARTS = 100
+Path = Annotated[str | None, Query(max_length=4096, pattern=r"^[^\x00]*$")]
+Username = Annotated[str | None, Query(max_length=32, pattern=USER.pattern)]
+
+
+async def _target(svc: Svc, request: Request, username: str | None) -> Target:
+    try:
+        t = await resolve(svc, request.headers)
+    except ConnectError as e:  # this is plain HTTP: its status, not a Connect code
+        status = {"unauthenticated": 401, "unavailable": 502, "not_found": 404}
+        raise APIError(status.get(e.code.value, 400), e.message) from None
+    return Target(t.svc, t.tenant_id, t.sandbox_id, t.worker, username or t.user)
+
+
+def written(path: str) -> dict[str, Any]:
+    return {"name": posixpath.basename(path), "type": "file", "path": path}
+
+
+@router.get("/files", response_class=StreamingResponse)
+async def download(
+    request: Request, svc: Svc, path: Path = None, username: Username = None
+) -> StreamingResponse:
+    t = await _target(svc, request, username)
+    full = t.path(path or "")
+    return await relay(svc.workers.download(t.worker, t.sandbox_id, full),
+                       "application/octet-stream")  # fmt: skip
+
+
+@router.post("/files")
+async def upload(
+    request: Request, svc: Svc, path: Path = None, username: Username = None
+) -> list[dict[str, Any]]:
+    t = await _target(svc, request, username)
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        return await _parts(t, request, path)
+    if not path:
+        raise APIError(400, "a raw upload names its file: ?path=")
+    gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
+    body = _gunzip(request.stream()) if gzipped else request.stream()
+    full = t.path(path)
+    await svc.workers.upload(t.worker, t.sandbox_id, full, body, make_parents=True)
+    return [written(full)]
+
+
+async def _parts(t: Target, request: Request, path: str | None) -> list[dict[str, Any]]:
+    """Each part named `file` to the path its file name gives (or `?path=` for one part)."""
+    async with request.form(max_files=MAX_PARTS, max_fields=MAX_PARTS) as form:
+        files = [f for f in form.getlist("file") if isinstance(f, UploadFile)]
+        if not files:
+            raise APIError(400, "no part named 'file' in the form")
+        if path and len(files) > 1:
+            raise APIError(400, "?path= names one file, but the form has several")
+        out = []
+        for f in files:
+            name = path or f.filename
+            if not name:
+                raise APIError(400, "a part has no file name to write it to")
+            full = t.path(name)
+            await t.svc.workers.upload(t.worker, t.sandbox_id, full, _read(f), make_parents=True)
+            out.append(written(full))
+        return out
+
+
+async def _read(f: UploadFile) -> AsyncIterator[bytes]:
+    while chunk := await f.read(CHUNK):
+        yield chunk
+
+
+async def _gunzip(stream: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """The body unzipped as it arrives (never whole in memory; the sandbox's disk bounds it)."""
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        async for chunk in stream:
+            while chunk:
+                yield inflate.decompress(chunk, CHUNK)
+                chunk = inflate.unconsumed_tail
+        yield inflate.flush()
+    except zlib.error as e:
+        raise APIError(400, f"the body is not valid gzip: {e}") from None
+
+
+@router.get("/health", status_code=204)
+async def health(request: Request, svc: Svc) -> Response:
+    sandbox_id = request.headers.get("e2b-sandbox-id", "")
+    who = await tokens.holder(svc, request.headers.get("x-access-token", ""), sandbox_id)
+    try:
+        row = await svc.store.get_sandbox(sandbox_id, who.id)
+    except NotFound:
+        row = None
+    if row is None or row["state"] != "running":
+        raise APIError(502, f"sandbox {sandbox_id} was not found running")
+    return Response(status_code=204)

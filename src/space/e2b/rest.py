@@ -1,0 +1,249 @@
+"""E2B's control-plane REST API (the calls its SDKs make), answered by SPACE's own sandbox
+routes: a create is SPACE's create, a pause is a suspend to disk, a connect resumes.
+
+What the answers carry is what the SDKs parse: camelCase keys, `{"code", "message"}` errors,
+201 on create, 204 on kill, timeout and pause, 409 for a pause of a paused sandbox, the
+`x-next-token` header for the next page of a list. Every sandbox answer carries an envd
+access token (see `tokens`) for the daemon calls that follow.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated, Any
+from urllib.parse import parse_qsl, unquote
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from space.api import sandboxes as space
+from space.api.deps import Svc, authenticate
+from space.api.errors import APIError
+from space.api.schemas import SandboxCreate, TimeoutUpdate
+from space.db.store import Conflict, Row, Tenant
+from space.e2b import tokens
+from space.netpolicy import NetworkPolicy
+
+router = APIRouter(tags=["e2b"])
+
+# What envd this surface speaks as: the SDKs turn features off below their version gates, and
+# every gate of the pinned SDKs is at or below it.
+ENVD_VERSION = "0.6.4"
+DEFAULT_TIMEOUT_S = 300  # the SDKs' documented default, which they do not send
+PAUSED = ("paused", "suspended", "pausing", "suspending")
+LISTED = ("running", "starting", "claiming", "resuming", *PAUSED)
+MAX_PAGE = 100
+EVERYWHERE = {"0.0.0.0/0", "::/0"}
+
+
+async def caller(request: Request, svc: Svc) -> Tenant:
+    return await authenticate(svc, request.headers.get("x-api-key", "").strip())
+
+
+E2BCaller = Annotated[Tenant, Depends(caller)]
+
+
+class Lenient(BaseModel):
+    """A body as E2B's SDKs send it: camelCase, and fields of newer SDKs ignored."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class NetworkConfig(Lenient):
+    allow_out: list[str] | None = Field(None, alias="allowOut", max_length=256)
+    deny_out: list[str] | None = Field(None, alias="denyOut", max_length=256)
+
+
+class NewSandbox(Lenient):
+    template_id: str = Field("base", alias="templateID", min_length=1, max_length=64)
+    timeout: int | None = Field(None, ge=1, le=7 * 24 * 3600)
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(None, alias="envVars")
+    auto_pause: bool = Field(False, alias="autoPause")
+    allow_internet_access: bool | None = None
+    network: NetworkConfig | None = None
+    mcp: dict[str, Any] | None = None
+    volume_mounts: list[dict[str, Any]] | None = Field(None, alias="volumeMounts")
+
+
+class Timeout(Lenient):
+    timeout: int = Field(ge=1, le=7 * 24 * 3600)
+
+
+class Connect(Lenient):
+    timeout: int | None = Field(None, ge=1, le=7 * 24 * 3600)
+
+
+def e2b_state(row: Row) -> str:
+    return "paused" if row["state"] in PAUSED else "running"
+
+
+def egress(body: NewSandbox) -> NetworkPolicy | None:
+    """E2B's egress switches as a SPACE policy. Without one SPACE's default holds (deny), where
+    E2B's is to let everything out: an E2B user who wants the internet says so."""
+    out = body.network.allow_out if body.network else None
+    denied = set(body.network.deny_out or ()) if body.network else set()
+    if denied - EVERYWHERE:
+        raise APIError(400, "network.denyOut takes only 0.0.0.0/0 (SPACE denies what "
+                            "network.allowOut does not list)")  # fmt: skip
+    if out:
+        hosts: list[str] = []
+        cidrs: list[str] = []
+        for entry in out:
+            (cidrs if entry[:1].isdigit() or ":" in entry else hosts).append(entry)
+        return NetworkPolicy.model_validate({
+            "hosts": [{"pattern": h} for h in hosts], "cidrs": [{"cidr": c} for c in cidrs],
+        })  # fmt: skip
+    if body.allow_internet_access:
+        return NetworkPolicy(default="allow")
+    return None
+
+
+def sandbox(row: Row, svc: Svc, who: Tenant) -> dict[str, Any]:
+    """The answer to a create or a connect: who it is, and how to reach its daemon."""
+    return {
+        "templateID": row["template"],
+        "sandboxID": row["id"],
+        "alias": row["template"],
+        "clientID": row["worker_id"] or "space",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": tokens.issue(svc, who, row["id"]),
+        "trafficAccessToken": None,
+        "domain": svc.settings.api.preview_domain,
+    }
+
+
+def listed(row: Row) -> dict[str, Any]:
+    created = row["created_at"]
+    end = row["expires_at"] or created + timedelta(seconds=row["timeout_s"])
+    return {
+        "templateID": row["template"],
+        "sandboxID": row["id"],
+        "alias": row["template"],
+        "clientID": row["worker_id"] or "space",
+        "startedAt": created.isoformat(),
+        "endAt": end.isoformat(),
+        "cpuCount": row["vcpus"],
+        "memoryMB": row["memory_mib"],
+        "diskSizeMB": row["disk_mib"],
+        "state": e2b_state(row),
+        "envdVersion": ENVD_VERSION,
+        "metadata": row["metadata"] or {},
+    }
+
+
+async def alive(svc: Svc, who: Tenant, sandbox_id: str) -> Row:
+    """One of the caller's sandboxes that has not ended (404 for anyone else's, or a gone one:
+    E2B knows no deleted sandboxes)."""
+    row = await svc.store.get_sandbox(sandbox_id, who.id)
+    if row["state"] not in LISTED:
+        raise APIError(404, f"sandbox {sandbox_id} not found")
+    return row
+
+
+@router.post("/v2/sandboxes", status_code=201)
+@router.post("/sandboxes", status_code=201, include_in_schema=False)
+async def create(
+    body: NewSandbox,
+    svc: Svc,
+    who: E2BCaller,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> dict[str, Any]:
+    if body.mcp is not None or body.volume_mounts:
+        raise APIError(400, "mcp and volumeMounts are not supported by SPACE's E2B surface")
+    spec = SandboxCreate.model_validate({
+        "template": body.template_id,
+        "timeout_s": body.timeout or DEFAULT_TIMEOUT_S,
+        "timeout_action": "suspend" if body.auto_pause else "delete",
+        "env": body.env_vars or {},
+        "metadata": body.metadata or {},
+        "network": egress(body),
+    })  # fmt: skip
+    made = await space.create_sandbox(spec, svc, who, Response(), idempotency_key)
+    return sandbox(await svc.store.get_sandbox(made.id, who.id), svc, who)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+@router.post("/sandboxes/{sandbox_id}/connect", include_in_schema=False)
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201, include_in_schema=False)
+async def connect(
+    sandbox_id: str, body: Connect, svc: Svc, who: E2BCaller, response: Response
+) -> dict[str, Any]:
+    """Connect to a running sandbox (200), or resume a paused one first (201)."""
+    row = await alive(svc, who, sandbox_id)
+    if row["state"] in PAUSED:
+        await space.resume_sandbox(sandbox_id, svc, who)
+        response.status_code = 201
+    if body.timeout is not None:
+        await svc.store.set_timeout(who.id, sandbox_id, body.timeout)
+    return sandbox(await alive(svc, who, sandbox_id), svc, who)
+
+
+@router.get("/v2/sandboxes")
+@router.get("/sandboxes", include_in_schema=False)
+async def list_sandboxes(
+    svc: Svc,
+    who: E2BCaller,
+    response: Response,
+    state: Annotated[str | None, Query(max_length=64)] = None,
+    metadata: Annotated[str | None, Query(max_length=8192)] = None,
+    template: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+    next_token: Annotated[str | None, Query(alias="nextToken", max_length=512)] = None,
+) -> list[dict[str, Any]]:
+    wanted = {s.strip() for s in state.split(",")} if state else {"running", "paused"}
+    if not wanted <= {"running", "paused"}:
+        raise APIError(400, f"state is a list of running and paused, not {state!r}")
+    states = [s for s in LISTED if (s in PAUSED and "paused" in wanted)
+              or (s not in PAUSED and "running" in wanted)]  # fmt: skip
+    rows = await svc.store.list_sandboxes(
+        who.id, states=states, template=template, metadata=_metadata(metadata) or None,
+        limit=limit + 1, after=space.parse_cursor(next_token) if next_token else None,
+    )  # fmt: skip
+    if len(rows) > limit:
+        rows = rows[:limit]
+        response.headers["x-next-token"] = space.page_cursor(rows[-1])
+    return [listed(r) for r in rows]
+
+
+def _metadata(query: str | None) -> dict[str, str]:
+    """The SDKs send metadata as one query value, itself a query string of escaped pairs."""
+    if not query:
+        return {}
+    pairs = {unquote(k): unquote(v) for k, v in parse_qsl(query, keep_blank_values=True)}
+    if any("\0" in k or "\0" in v for k, v in pairs.items()):
+        raise APIError(400, "metadata filters may not contain NUL bytes")
+    return pairs
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_sandbox(sandbox_id: str, svc: Svc, who: E2BCaller) -> dict[str, Any]:
+    row = await alive(svc, who, sandbox_id)
+    return {**listed(row), "domain": svc.settings.api.preview_domain}
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill(sandbox_id: str, svc: Svc, who: E2BCaller) -> Response:
+    await alive(svc, who, sandbox_id)
+    await space.delete_sandbox(sandbox_id, svc, who)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, body: Timeout, svc: Svc, who: E2BCaller) -> Response:
+    await alive(svc, who, sandbox_id)
+    await space.set_timeout(sandbox_id, TimeoutUpdate(timeout_s=body.timeout), svc, who)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause(sandbox_id: str, svc: Svc, who: E2BCaller) -> Response:
+    """E2B's pause keeps the whole machine for later: SPACE's suspend, to disk."""
+    row = await alive(svc, who, sandbox_id)
+    if row["state"] in PAUSED:
+        raise APIError(409, f"sandbox {sandbox_id} is already paused")
+    try:
+        await space.suspend_sandbox(sandbox_id, svc, who)
+    except Conflict as e:
+        raise APIError(409, str(e)) from None
+    return Response(status_code=204)
