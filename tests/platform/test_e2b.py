@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -199,6 +200,17 @@ def test_tokens_open_only_their_sandbox(platform: Platform, sbx: Sandbox) -> Non
         call(token[:-2] + ("AA" if token[-2:] != "AA" else "BB"), sbx.sandbox_id).status_code == 401
     )
     assert call("", sbx.sandbox_id).status_code == 401
+    # At the daemon's own host name, as E2B's SDKs reach it under E2B_DOMAIN: the same daemon,
+    # for the sandbox the name says, whatever a header claims; nothing else of the API there.
+    host = f"49983-{sbx.sandbox_id}.localhost:{urlsplit(platform.api_url).port}"
+    at_host = {"Host": host, "X-Access-Token": token, "E2b-Sandbox-Id": "sb-other"}
+    sleeper = sbx.commands.run("sleep 300", background=True)
+    r = httpx.post(f"{platform.api_url}/process.Process/List", json={}, headers=at_host)
+    assert r.status_code == 200, r.text
+    assert sleeper.pid in [p["pid"] for p in r.json()["processes"]], r.text
+    sleeper.kill()
+    assert httpx.get(f"{platform.api_url}/health", headers=at_host).status_code == 204
+    assert httpx.get(f"{platform.api_url}/v1/sandboxes", headers=at_host).status_code == 404
     # Another tenant's sandbox, with its own token: neither opens the other's.
     other = Sandbox.create(timeout=300, **opts(platform, platform.key_b))
     try:
@@ -212,3 +224,43 @@ def test_tokens_open_only_their_sandbox(platform: Platform, sbx: Sandbox) -> Non
         other.kill()
     with pytest.raises(AuthenticationException):
         Sandbox.create(**opts(platform, "sk-not-a-key"))
+
+
+def test_revoking_the_key_ends_its_sandboxes_tokens(platform: Platform, sbx: Sandbox) -> None:
+    with platform.client() as a, platform.client(platform.admin_key) as admin:
+        tenant = a.get("/v1/me").json()["tenant_id"]
+        made = admin.post(f"/v1/tenants/{tenant}/keys", json={"name": "e2b"}).json()
+        # The same sandbox, connected to with a second key: a token of that key.
+        second = Sandbox.connect(sbx.sandbox_id, **opts(platform, made["key"]))
+        assert second.commands.run("echo via second").stdout == "via second\n"
+        assert admin.delete(f"/v1/tenants/{tenant}/keys/{made['id']}").status_code == 204
+        with pytest.raises(AuthenticationException, match="revoked"):
+            second.commands.run("echo no more")
+        assert sbx.commands.run("echo first still").stdout == "first still\n"
+
+
+def test_bad_input_is_answered_as_e2b_errors(platform: Platform) -> None:
+    api = f"{platform.api_url}/e2b"
+    key = {"X-API-Key": platform.key_a}
+    for body in ({"templateID": ""}, {"timeout": -1}, {"metadata": "x"}, {"envVars": {"A": 1}}):
+        r = httpx.post(f"{api}/v2/sandboxes", json=body, headers=key)
+        assert r.status_code in (400, 422), r.text
+        assert isinstance(r.json()["code"], int) and r.json()["message"], r.text
+    r = httpx.post(f"{api}/v2/sandboxes", content=b"{not json", headers=key)
+    assert r.status_code == 422 and r.json()["code"] == 422, r.text
+    r = httpx.post(f"{api}/v2/sandboxes", json={"templateID": "none-such"}, headers=key)
+    assert r.status_code == 404 and "none-such" in r.json()["message"], r.text
+    r = httpx.post(f"{api}/v2/sandboxes", json={"network": {"denyOut": ["10.0.0.0/8"]}},
+                   headers=key)  # fmt: skip
+    assert r.status_code == 400 and "denyOut" in r.json()["message"], r.text
+    r = httpx.get(f"{api}/v2/sandboxes")
+    assert r.status_code == 401 and "X-API-Key" in r.json()["message"], r.text
+    r = httpx.get(f"{api}/v2/sandboxes", params={"state": "killed"}, headers=key)
+    assert r.status_code == 400 and "state" in r.json()["message"], r.text
+    r = httpx.get(f"{api}/v2/sandboxes", params={"nextToken": "garbage"}, headers=key)
+    assert r.status_code == 400, r.text
+    r = httpx.get(f"{api}/sandboxes/sb-none", headers=key)
+    assert r.status_code == 404 and r.json()["code"] == 404, r.text
+    # The daemon: no sandbox named, or a body that is not the message.
+    r = httpx.post(f"{api}/envd/process.Process/List", json={})
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text

@@ -11,7 +11,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from space import __version__, crashpoints
+from space import __version__, crashpoints, e2b
 from space.api import (
     checkpoints,
     console,
@@ -39,7 +39,7 @@ from space.db import migrate
 from space.db.listen import Listener
 from space.db.sealing import Sealer
 from space.db.store import Store, connect
-from space.e2b import app as e2b
+from space.e2b import app as e2b_app
 from space.identity import WorkerCA
 from space.logs import RequestLog
 from space.settings import Settings
@@ -109,7 +109,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     app.include_router(previews.router)
     app.include_router(metrics.router)
     app.include_router(console.router)
-    app.mount(e2b.PREFIX, e2b.create(app.state))
+    app.mount(e2b.PREFIX, e2b_app.create(app.state))
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:

@@ -34,6 +34,7 @@ from space.api.errors import APIError
 from space.api.schemas import Link, NewLink
 from space.db.sealing import Sealer, SealError
 from space.db.store import Tenant
+from space.e2b import ENVD_PATH, ENVD_PORT
 from space.problem import problem
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
@@ -95,6 +96,9 @@ class PreviewHosts:
             await self.app(scope, receive, send)
             return
         sandbox_id, port = found
+        if port == ENVD_PORT:
+            await self.app(_to_envd(scope, sandbox_id), receive, send)
+            return
         query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
         tokens = [v for k, v in query if k == LINK_PARAM]
         if tokens:
@@ -115,6 +119,16 @@ class PreviewHosts:
         if found is None or not 1 <= int(found[1]) <= 65535:
             return None
         return found[2], int(found[1])
+
+
+def _to_envd(scope: Scope, sandbox_id: str) -> Scope:
+    """E2B's SDKs reach a sandbox's daemon at its host name; the API answers for it (by the
+    E2B access token the call carries, as on the API's own address)."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    headers = [(k, v) for k, v in scope["headers"] if k != b"e2b-sandbox-id"]
+    headers.append((b"e2b-sandbox-id", sandbox_id.encode()))
+    return {**scope, "path": ENVD_PATH + scope["path"], "raw_path": ENVD_PATH.encode() + raw,
+            "headers": headers}  # fmt: skip
 
 
 def _granted(sealer: Sealer, token: str, sandbox_id: str, port: int) -> Grant | None:

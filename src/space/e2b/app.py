@@ -11,11 +11,9 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
 from space.api import errors
-from space.e2b import rest
+from space.e2b import ENVD_PATH, PREFIX, rest
 from space.e2b.envd import Envd
 from space.e2b.envd import files as envd_files
-
-PREFIX = "/e2b"
 
 
 def e2b_error(
@@ -33,5 +31,5 @@ def create(state: State) -> FastAPI:
     errors.install(app, render=e2b_error)
     app.include_router(rest.router)
     app.include_router(envd_files.router)
-    app.mount("/envd", Envd(lambda: state.services))
+    app.mount(ENVD_PATH.removeprefix(PREFIX), Envd(lambda: state.services))
     return app

@@ -37,7 +37,10 @@ EVERYWHERE = {"0.0.0.0/0", "::/0"}
 
 
 async def caller(request: Request, svc: Svc) -> Tenant:
-    return await authenticate(svc, request.headers.get("x-api-key", "").strip())
+    key = request.headers.get("x-api-key", "").strip()
+    if not key:
+        raise APIError(401, "missing API key: send 'X-API-Key: <key>' (E2B_API_KEY)")
+    return await authenticate(svc, key)
 
 
 E2BCaller = Annotated[Tenant, Depends(caller)]

@@ -14,9 +14,9 @@ from space.api.deps import Services, admit
 from space.api.errors import APIError
 from space.api.previews import Grant
 from space.db.store import Tenant
+from space.e2b import ENVD_PORT
 
 CONTEXT = "envd access"
-ENVD_PORT = 49983
 LIFETIME_S = 30 * 24 * 3600
 
 
