@@ -1,0 +1,105 @@
+"""E2B's SDK against SPACE, beside SPACE's own SDK in the same run:
+
+  - create → first command answered: `e2b.Sandbox.create()` + `commands.run("true")`  vs
+    `space.Sandbox.create()` + `exec(["true"])` (no warm pool, one at a time, alternated)
+  - a command's round trip on a running sandbox: `commands.run("true")` (envd's Connect RPC,
+    answered by the API)  vs  `exec(["true"])` (SPACE's NDJSON exec)
+
+The difference is what the E2B surface costs: its token check, the Connect encoding and the
+process started in the background and followed (envd's semantics).
+
+Starts its own embedded PostgreSQL, API, controller and worker. Run as root:
+  .venv/bin/python bench/e2b_sdk.py [--creates 20] [--execs 100] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import e2b
+
+import space
+from services import platform
+from space.db.store import Store
+from vm_runtime import percentile_table, percentiles
+
+
+async def setup(store: Store) -> dict[str, str]:
+    tenant = await store.create_tenant(f"bench-e2b-{secrets.token_hex(3)}")
+    return {"key": await store.create_api_key(tenant.id)}
+
+
+def timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--creates", type=int, default=20)
+    parser.add_argument("--execs", type=int, default=100)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    with platform(setup) as (p, keys):
+        e2b_opts: dict[str, Any] = {"api_key": keys["key"], "api_url": f"{p.url}/e2b",
+                                    "sandbox_url": f"{p.url}/e2b/envd"}  # fmt: skip
+        sdk = space.Space(p.url, keys["key"])
+        # The first create builds the worker's base snapshot (a cold boot): not measured.
+        space.Sandbox.create(client=sdk).delete()
+
+        def e2b_create() -> None:
+            sbx = e2b.Sandbox.create(**e2b_opts)
+            sbx.commands.run("true")
+            created.append(sbx)
+
+        def space_create() -> None:
+            sbx = space.Sandbox.create(client=sdk)
+            sbx.exec(["true"])
+            made.append(sbx)
+
+        created: list[e2b.Sandbox] = []
+        made: list[space.Sandbox] = []
+        e2b_creates, space_creates = [], []
+        for _ in range(args.creates):  # alternated, so drift hits both alike
+            e2b_creates.append(timed(e2b_create))
+            created.pop().kill()
+            space_creates.append(timed(space_create))
+            made.pop().delete()
+
+        sbx = e2b.Sandbox.create(**e2b_opts)
+        own = space.Sandbox.get(sbx.sandbox_id, client=sdk)
+        e2b_execs, space_execs = [], []
+        for _ in range(args.execs):
+            e2b_execs.append(timed(lambda: sbx.commands.run("true")))
+            space_execs.append(timed(lambda: own.exec(["true"])))
+        sbx.kill()
+        sdk.close()
+    results = {
+        "e2b_sdk_create_to_first_command": percentiles(e2b_creates),
+        "space_sdk_create_to_first_command": percentiles(space_creates),
+        "e2b_sdk_command_true": percentiles(e2b_execs),
+        "space_sdk_exec_true": percentiles(space_execs),
+    }
+    results["ratio_create_p50"] = (
+        results["e2b_sdk_create_to_first_command"]["p50_ms"]
+        / results["space_sdk_create_to_first_command"]["p50_ms"]
+    )
+    results["ratio_command_p50"] = (
+        results["e2b_sdk_command_true"]["p50_ms"] / results["space_sdk_exec_true"]["p50_ms"]
+    )
+    print("\n".join(percentile_table(results)))
+    print(f"E2B SDK / SPACE SDK at p50: create {results['ratio_create_p50']:.2f}x, "
+          f"command {results['ratio_command_p50']:.2f}x")  # fmt: skip
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
