@@ -6,6 +6,8 @@ altered token, a revoked key."""
 from __future__ import annotations
 
 import asyncio
+import gzip
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -253,6 +255,11 @@ def test_bad_input_is_answered_as_e2b_errors(platform: Platform) -> None:
     r = httpx.post(f"{api}/v2/sandboxes", json={"network": {"denyOut": ["10.0.0.0/8"]}},
                    headers=key)  # fmt: skip
     assert r.status_code == 400 and "denyOut" in r.json()["message"], r.text
+    # What SPACE's own model refuses is the caller's 400 too, never a 500.
+    for body in ({"envVars": {"1A": "x"}}, {"metadata": {"k" * 200: "v"}},
+                 {"network": {"allowOut": ["not a host!"]}}):  # fmt: skip
+        r = httpx.post(f"{api}/v2/sandboxes", json=body, headers=key)
+        assert r.status_code == 400 and r.json()["code"] == 400, r.text
     r = httpx.get(f"{api}/v2/sandboxes")
     assert r.status_code == 401 and "X-API-Key" in r.json()["message"], r.text
     r = httpx.get(f"{api}/v2/sandboxes", params={"state": "killed"}, headers=key)
@@ -264,3 +271,25 @@ def test_bad_input_is_answered_as_e2b_errors(platform: Platform) -> None:
     # The daemon: no sandbox named, or a body that is not the message.
     r = httpx.post(f"{api}/envd/process.Process/List", json={})
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
+
+
+def test_the_daemon_refuses_bad_input_plainly(platform: Platform, sbx: Sandbox) -> None:
+    envd = f"{platform.api_url}/e2b/envd"
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token or ""}
+    # A user name is a name, not a way out of /home.
+    r = httpx.get(f"{envd}/files", params={"path": "x", "username": "../../etc"}, headers=headers)
+    assert r.status_code == 422, r.text
+    # A gzip body cut short is not written as if whole.
+    data = os.urandom(100_000)  # (repeated bytes would fit 200 bytes of gzip whole)
+    whole = gzip.compress(data)
+    cut = {**headers, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"}
+    r = httpx.post(f"{envd}/files", params={"path": "/root/cut"}, content=whole[:200],
+                   headers=cut)  # fmt: skip
+    assert r.status_code == 400 and "gzip" in r.json()["message"], r.text
+    r = httpx.post(f"{envd}/files", params={"path": "/root/whole"}, content=whole, headers=cut)
+    assert r.status_code == 200, r.text
+    assert sbx.files.read("/root/whole", format="bytes") == data
+    assert not sbx.files.exists("/root/cut")
+    # A file the guest dated past what a timestamp holds is still listed.
+    sbx.commands.run("touch -d @100000000000000 /root/future")
+    assert "future" in {e.name for e in sbx.files.list("/root")}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,6 +38,11 @@ def worker_status(e: WorkerError) -> int:
     return 502
 
 
+def validation_detail(errors: Sequence[Mapping[str, Any]]) -> str:
+    """What a validation found wrong, in one line: `where: what; …`."""
+    return "; ".join(f"{'.'.join(map(str, x.get('loc', ())))}: {x.get('msg', '')}" for x in errors)
+
+
 Render = Callable[..., JSONResponse]  # (status, detail, headers=None, **extra) -> the answer
 
 
@@ -69,7 +74,7 @@ def install(app: FastAPI, render: Render = problem) -> None:
         errors = [
             {"loc": list(err.get("loc", ())), "msg": str(err.get("msg", ""))} for err in e.errors()
         ]
-        detail = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors)
+        detail = validation_detail(errors)
         return render(422, detail or "invalid request", errors=errors)
 
     @app.exception_handler(StarletteHTTPException)

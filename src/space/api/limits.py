@@ -21,13 +21,18 @@ INGRESS = re.compile(r"^/v1/sandboxes/[^/]+/ports/")
 STDIN_BODY = 16 << 20  # raw input for a running process, in one call
 STDIN = re.compile(r"^/v1/sandboxes/[^/]+/processes/[^/]+/stdin$")
 E2B_FILES = "/e2b/envd/files"  # a multipart form is spooled to disk before it goes on
+E2B_FORM_BODY = 256 << 20  # the SDKs send large and streamed writes raw, which stream through
+E2B_INPUT = "/e2b/envd/process.Process/StreamInput"  # a terminal's keys, as long as it lasts
 
 
-def cap_for(method: str, path: str) -> int | None:
-    """The most bytes of body a request to `path` may carry; None: streamed, not capped."""
+def cap_for(method: str, path: str, form: bool = False) -> int | None:
+    """The most bytes of body a request to `path` may carry (`form`: a multipart one); None:
+    streamed, not capped."""
     if method == "PUT" and STREAMED.match(path):
         return None
-    if INGRESS.match(path) or (method == "POST" and path == E2B_FILES):
+    if method == "POST" and path == E2B_FILES:
+        return E2B_FORM_BODY if form else None
+    if INGRESS.match(path) or path == E2B_INPUT:
         return INGRESS_BODY
     if STDIN.match(path):
         return STDIN_BODY
@@ -52,7 +57,10 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        cap = cap_for(scope["method"], scope["path"])
+        form = any(
+            k == b"content-type" and v.startswith(b"multipart/") for k, v in scope["headers"]
+        )
+        cap = cap_for(scope["method"], scope["path"], form)
         if cap is None:
             await self.app(scope, receive, send)
             return

@@ -9,16 +9,17 @@ access token (see `tokens`) for the daemon calls that follow.
 
 from __future__ import annotations
 
+import ipaddress
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import parse_qsl, unquote
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from space.api import sandboxes as space
 from space.api.deps import Svc, authenticate
-from space.api.errors import APIError
+from space.api.errors import APIError, validation_detail
 from space.api.schemas import SandboxCreate, TimeoutUpdate
 from space.db.store import Conflict, Row, Tenant
 from space.e2b import tokens
@@ -93,13 +94,33 @@ def egress(body: NewSandbox) -> NetworkPolicy | None:
         hosts: list[str] = []
         cidrs: list[str] = []
         for entry in out:
-            (cidrs if entry[:1].isdigit() or ":" in entry else hosts).append(entry)
-        return NetworkPolicy.model_validate({
+            (cidrs if _is_network(entry) else hosts).append(entry)
+        return _valid(NetworkPolicy, {
             "hosts": [{"pattern": h} for h in hosts], "cidrs": [{"cidr": c} for c in cidrs],
         })  # fmt: skip
     if body.allow_internet_access:
         return NetworkPolicy(default="allow")
     return None
+
+
+def _is_network(entry: str) -> bool:
+    try:
+        ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _valid(model: type[M], values: dict[str, Any]) -> M:
+    """SPACE's own model of what the E2B body said; what it refuses is the caller's 400."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as e:
+        detail = validation_detail(e.errors())
+        raise APIError(400, detail) from None
 
 
 def sandbox(row: Row, svc: Svc, who: Tenant) -> dict[str, Any]:
@@ -154,7 +175,7 @@ async def create(
 ) -> dict[str, Any]:
     if body.mcp is not None or body.volume_mounts:
         raise APIError(400, "mcp and volumeMounts are not supported by SPACE's E2B surface")
-    spec = SandboxCreate.model_validate({
+    spec = _valid(SandboxCreate, {
         "template": body.template_id,
         "timeout_s": body.timeout or DEFAULT_TIMEOUT_S,
         "timeout_action": "suspend" if body.auto_pause else "delete",
@@ -227,7 +248,9 @@ async def get_sandbox(sandbox_id: str, svc: Svc, who: E2BCaller) -> dict[str, An
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
 async def kill(sandbox_id: str, svc: Svc, who: E2BCaller) -> Response:
-    await alive(svc, who, sandbox_id)
+    """Whatever state it is in (one that failed or is still starting too), until deleted."""
+    if (await svc.store.get_sandbox(sandbox_id, who.id))["state"] == "deleted":
+        raise APIError(404, f"sandbox {sandbox_id} not found")
     await space.delete_sandbox(sandbox_id, svc, who)
     return Response(status_code=204)
 

@@ -25,7 +25,7 @@ from space.e2b.envd.target import USER, Target, resolve
 router = APIRouter(prefix="/envd", tags=["e2b"])
 
 CHUNK = 1 << 20
-MAX_PARTS = 100
+MAX_PARTS = 16  # each held in memory up to 1 MiB before it spools
 Path = Annotated[str | None, Query(max_length=4096, pattern=r"^[^\x00]*$")]
 Username = Annotated[str | None, Query(max_length=32, pattern=USER.pattern)]
 
@@ -71,7 +71,7 @@ async def upload(
 
 async def _parts(t: Target, request: Request, path: str | None) -> list[dict[str, Any]]:
     """Each part named `file` to the path its file name gives (or `?path=` for one part)."""
-    async with request.form(max_files=MAX_PARTS, max_fields=MAX_PARTS) as form:
+    async with request.form(max_files=MAX_PARTS, max_fields=1) as form:
         files = [f for f in form.getlist("file") if isinstance(f, UploadFile)]
         if not files:
             raise APIError(400, "no part named 'file' in the form")
@@ -104,6 +104,8 @@ async def _gunzip(stream: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         yield inflate.flush()
     except zlib.error as e:
         raise APIError(400, f"the body is not valid gzip: {e}") from None
+    if not inflate.eof or inflate.unused_data:
+        raise APIError(400, "the body is not one whole gzip stream")
 
 
 @router.get("/health", status_code=204)

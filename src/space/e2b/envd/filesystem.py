@@ -5,13 +5,15 @@ since the last poll (the sync SDK), kept here while it is polled."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import posixpath
 import secrets
 import stat
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -52,6 +54,8 @@ from space.e2b.proto.filesystem.filesystem_pb import (
 from space.worker.api.client import WorkerError
 from space.worker.api.models import FileEntry
 
+log = logging.getLogger(__name__)
+
 TYPES = {"file": FileType.FILE, "directory": FileType.DIRECTORY,
          "symlink": FileType.SYMLINK}  # fmt: skip
 KINDS = {"create": EventType.CREATE, "write": EventType.WRITE,
@@ -60,7 +64,9 @@ KINDS = {"create": EventType.CREATE, "write": EventType.WRITE,
 MAX_LISTED = 10_000  # entries one ListDir answers, however deep
 MAX_DEPTH = 32
 WATCHERS_PER_SANDBOX = 16
-WATCHER_EVENTS = 10_000  # kept between two polls; the oldest go first past that
+WATCHERS_PER_TENANT = 64
+WATCHER_EVENTS = 1024  # kept between two polls (at most 4 MiB of names); the oldest go first
+MAX_NAME = 4096
 WATCHER_IDLE_S = 600.0  # a watcher nobody polled for this long is stopped
 MAX_EVENT_LINE = 1 << 20
 
@@ -71,7 +77,7 @@ def entry_of(f: FileEntry) -> EntryInfo:
         name=f.name, type=TYPES.get(f.type, FileType.UNSPECIFIED), path=f.path,
         size=f.size, mode=f.mode, permissions=kind + stat.filemode(f.mode)[1:],
         owner="root" if f.uid == 0 else str(f.uid), group="root" if f.gid == 0 else str(f.gid),
-        modified_time=Timestamp.from_datetime(datetime.fromtimestamp(f.mtime, UTC)),
+        modified_time=Timestamp.from_datetime(_when(f.mtime)),
         is_symlink=f.type == "symlink",
     )  # fmt: skip
     if f.target is not None:
@@ -79,9 +85,17 @@ def entry_of(f: FileEntry) -> EntryInfo:
     return entry
 
 
+def _when(mtime: float) -> datetime:
+    """A file's mtime, as far as a timestamp goes (a guest can set any)."""
+    try:
+        return datetime.fromtimestamp(mtime, UTC)
+    except (OverflowError, OSError, ValueError):
+        return datetime.max.replace(tzinfo=UTC) if mtime > 0 else datetime.min.replace(tzinfo=UTC)
+
+
 async def watch_events(
     t: Target, path: str, recursive: bool
-) -> AsyncIterator[FilesystemEvent | None]:
+) -> AsyncGenerator[FilesystemEvent | None]:
     """None once the watch is set (its errors come before), then what changes under `path`,
     named relative to it as the SDKs want."""
     with errors():
@@ -92,9 +106,9 @@ async def watch_events(
                     raise ConnectError(Code.INTERNAL, "a watch event is too large")
                 event = json.loads(line) if line else {}
                 kind = KINDS.get(str(event.get("type", "")))
-                if kind is not None:
-                    name = posixpath.relpath(event.get("path", path), path)
-                    yield FilesystemEvent(name=name, type=kind)
+                changed = event.get("path")
+                if kind is not None and isinstance(changed, str) and len(changed) <= MAX_NAME:
+                    yield FilesystemEvent(name=posixpath.relpath(changed, path), type=kind)
 
 
 @dataclass
@@ -188,11 +202,12 @@ class FilesystemService(Filesystem):
         events = watch_events(t, t.path(request.path), request.recursive)
         await anext(events)  # the watch is set, or its error is the call's
         yield WatchDirResponse(event=oneof("start", WatchDirResponse.StartEvent()))
-        async for ev in paced(events, keepalive_s(ctx.request_headers)):
-            if ev is None:
-                yield WatchDirResponse(event=oneof("keepalive", WatchDirResponse.KeepAlive()))
-            else:
-                yield WatchDirResponse(event=oneof("filesystem", ev))
+        async with contextlib.aclosing(paced(events, keepalive_s(ctx.request_headers))) as paced_:
+            async for ev in paced_:
+                if ev is None:
+                    yield WatchDirResponse(event=oneof("keepalive", WatchDirResponse.KeepAlive()))
+                else:
+                    yield WatchDirResponse(event=oneof("filesystem", ev))
 
     async def create_watcher(
         self,
@@ -205,29 +220,41 @@ class FilesystemService(Filesystem):
         if sum(w.owner == owner for w in self.watchers.values()) >= WATCHERS_PER_SANDBOX:
             raise ConnectError(Code.RESOURCE_EXHAUSTED,
                                f"at most {WATCHERS_PER_SANDBOX} watchers per sandbox")  # fmt: skip
-        events = watch_events(t, t.path(request.path), request.recursive)
-        await anext(events)
-        watcher = Watcher(owner)
-        watcher.task = asyncio.create_task(self._collect(watcher, events))
-        watcher_id = secrets.token_urlsafe(12)
+        if sum(w.owner[0] == t.tenant_id for w in self.watchers.values()) >= WATCHERS_PER_TENANT:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED,
+                               f"at most {WATCHERS_PER_TENANT} watchers per tenant")  # fmt: skip
+        # Its place is taken before the watch is set, so creates at once cannot pass the caps.
+        watcher, watcher_id = Watcher(owner), secrets.token_urlsafe(12)
         self.watchers[watcher_id] = watcher
+        events = watch_events(t, t.path(request.path), request.recursive)
+        try:
+            await anext(events)
+        except BaseException:
+            del self.watchers[watcher_id]
+            await events.aclose()
+            raise
+        watcher.task = asyncio.create_task(self._collect(watcher, events))
         return CreateWatcherResponse(watcher_id=watcher_id)
 
     @staticmethod
-    async def _collect(watcher: Watcher, events: AsyncIterator[FilesystemEvent | None]) -> None:
+    async def _collect(watcher: Watcher, events: AsyncGenerator[FilesystemEvent | None]) -> None:
         try:
             async for ev in events:
                 if ev is not None:
                     watcher.events.append(ev)
         except ConnectError as e:
             watcher.error = e
-        except (httpx.HTTPError, ValueError) as e:
+        except httpx.HTTPError as e:
             watcher.error = ConnectError(Code.UNAVAILABLE, f"the watch ended: {e}")
+        except Exception:
+            log.exception("a watcher's watch failed")
+            watcher.error = ConnectError(Code.INTERNAL, "the watch failed; it has been logged")
         else:
             watcher.error = ConnectError(Code.UNAVAILABLE, "the watch ended")
 
     async def _watcher(self, ctx: RequestContext[Any, Any], watcher_id: str) -> Watcher:
         t = await self._target(ctx)
+        self._sweep()
         watcher = self.watchers.get(watcher_id)
         if watcher is None or watcher.owner != (t.tenant_id, t.sandbox_id):
             raise ConnectError(Code.NOT_FOUND, f"no watcher {watcher_id!r}")

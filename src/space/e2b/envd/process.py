@@ -4,6 +4,7 @@ and is followed, fed, signalled and resized through its worker."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from protobuf import Oneof
 from pydantic import ValidationError
 
 from space.api.deps import Services
+from space.api.errors import validation_detail
 from space.api.schemas import ExecRequest as PublicExecRequest
 from space.e2b.envd.target import Target, errors, keepalive_s, oneof, paced, resolve
 from space.e2b.proto.process.process_connect import Process
@@ -83,7 +85,7 @@ def exec_request(target: Target, request: StartRequest, timeout_ms: float | None
         public = PublicExecRequest.model_validate({k: v for k, v in body.items() if v is not None})
         return ExecRequest.model_validate(public.model_dump(exclude_none=True))
     except ValidationError as e:
-        detail = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        detail = validation_detail(e.errors())
         raise ConnectError(Code.INVALID_ARGUMENT, detail) from None
 
 
@@ -127,10 +129,12 @@ class ProcessService(Process):
         """The process's start, then its output as it comes, then its end."""
         yield Event(event=oneof("start", Event.StartEvent(pid=pid)))
         with errors():
-            async with t.svc.workers.process_events(
-                t.worker, t.sandbox_id, str(pid), replay
-            ) as events:
-                async for ev in paced(events, keepalive_s(ctx.request_headers)):
+            async with contextlib.AsyncExitStack() as stack:
+                events = await stack.enter_async_context(
+                    t.svc.workers.process_events(t.worker, t.sandbox_id, str(pid), replay)
+                )
+                paced_ = paced(events, keepalive_s(ctx.request_headers))
+                async for ev in await stack.enter_async_context(contextlib.aclosing(paced_)):
                     if ev is None:
                         yield KEEPALIVE
                     elif isinstance(ev, ExecOutput):

@@ -9,9 +9,10 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import logging
 import posixpath
 import re
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,12 +23,15 @@ from protobuf import Oneof
 from space.api.data import target as running
 from space.api.deps import Services
 from space.api.errors import APIError
+from space.api.limits import TooLarge
 from space.db.store import Conflict, NotFound, Refused
 from space.e2b import tokens
 from space.worker.api.client import Worker, WorkerError
 
+log = logging.getLogger(__name__)
+
 ROOT = "root"
-USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 KEEPALIVE_S = 50.0  # what the SDKs ask for; a proxy between may cut a quiet stream sooner
 
 T = TypeVar("T")
@@ -99,9 +103,17 @@ def errors() -> Iterator[None]:
         raise ConnectError(code_for(e.status), e.detail) from None
     except (Conflict, Refused) as e:
         raise ConnectError(Code.FAILED_PRECONDITION, str(e)) from None
+    except TooLarge as e:
+        raise ConnectError(Code.RESOURCE_EXHAUSTED, str(e.detail)) from None
+    except ConnectError:
+        raise
+    except Exception:
+        # Its text may say what is not the caller's to know: it is logged, not sent.
+        log.exception("envd call failed")
+        raise ConnectError(Code.INTERNAL, "internal error; it has been logged") from None
 
 
-async def paced(events: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:
+async def paced(events: AsyncIterator[T], interval: float) -> AsyncGenerator[T | None]:
     """The events, and None after each `interval` without one (for a keepalive), read by a
     task of its own so a quiet stream is never cancelled mid-read."""
     queue: asyncio.Queue[tuple[T | None, BaseException | None, bool]] = asyncio.Queue(64)
