@@ -8,6 +8,7 @@ from __future__ import annotations
 import posixpath
 import zlib
 from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import replace
 from typing import Annotated, Any
 
 from connectrpc.errors import ConnectError
@@ -36,7 +37,7 @@ async def _target(svc: Svc, request: Request, username: str | None) -> Target:
     except ConnectError as e:  # this is plain HTTP: its status, not a Connect code
         status = {"unauthenticated": 401, "unavailable": 502, "not_found": 404}
         raise APIError(status.get(e.code.value, 400), e.message) from None
-    return Target(t.svc, t.tenant_id, t.sandbox_id, t.worker, username or t.user)
+    return replace(t, user=username or t.user)  # /files names its user in the query
 
 
 def written(path: str) -> dict[str, Any]:
