@@ -38,6 +38,7 @@ $(BIN)/space: pyproject.toml
 images: venv
 	$(BIN)/space image kernel
 	$(BIN)/space image base
+	$(BIN)/space image code-interpreter
 
 lint: venv
 	$(BIN)/ruff check src tests bench

@@ -18,6 +18,7 @@ from space.api import (
     data,
     errors,
     ingress,
+    ingress_ws,
     join,
     me,
     metrics,
@@ -106,6 +107,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     app.include_router(workers.router)
     app.include_router(join.router)
     app.include_router(ingress.router)
+    app.include_router(ingress_ws.router)
     app.include_router(previews.router)
     app.include_router(metrics.router)
     app.include_router(console.router)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Annotated
 
@@ -32,7 +32,7 @@ from space.api.errors import APIError
 from space.api.previews import Port, ingress_caller, without_link
 from space.client._calls import INGRESS_VIA
 from space.db.store import Tenant
-from space.worker.api.models import TCP_EOF, TCP_FRAME
+from space.worker.api.models import TCP_FRAME
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
 
@@ -40,7 +40,8 @@ HEAD_TIMEOUT_S = 60.0  # for the service's answer to begin
 # Not passed on: hop-by-hop headers, framing (h11 frames what it sends), our own credentials.
 DROP_IN = {"host", "authorization", "cookie", "connection", "keep-alive", "transfer-encoding",
            "content-length", "te", "upgrade", "proxy-authorization", "proxy-connection",
-           "trailer"}  # fmt: skip
+           "trailer", "x-access-token", "e2b-traffic-access-token", "e2b-sandbox-id",
+           "e2b-sandbox-port"}  # fmt: skip
 DROP_OUT = {"connection", "keep-alive", "transfer-encoding", "content-length", "trailer",
             "upgrade", "proxy-connection"}  # fmt: skip
 
@@ -110,7 +111,9 @@ async def _relay(
         async with connect as ws:
             conn = h11.Connection(h11.CLIENT)
             await _send(ws, conn, _request(request, port, path))
-            sending = asyncio.ensure_future(_send_body(ws, conn, request))
+            relay = asyncio.current_task()
+            assert relay is not None
+            sending = asyncio.ensure_future(_send_body(ws, conn, request, relay.cancel))
             try:
                 async for event in _events(ws, conn):
                     if isinstance(event, h11.Response):
@@ -152,18 +155,29 @@ def _request(request: Request, port: int, path: str) -> h11.Request:
 
 
 async def _send(ws: AsyncWebSocketSession, conn: h11.Connection, event: h11.Event) -> None:
-    data = conn.send(event) or b""
+    await write_tcp(ws, conn.send(event) or b"")
+
+
+async def write_tcp(ws: AsyncWebSocketSession, data: bytes) -> None:
+    """Bytes to the service, in frames the worker takes."""
     for i in range(0, len(data), TCP_FRAME):
         await ws.send_bytes(data[i : i + TCP_FRAME])
 
 
-async def _send_body(ws: AsyncWebSocketSession, conn: h11.Connection, request: Request) -> None:
-    """The client's body, as it arrives, then our end of the connection."""
+async def _send_body(
+    ws: AsyncWebSocketSession, conn: h11.Connection, request: Request, gone: Callable[[], object]
+) -> None:
+    """The client's body, as it arrives; then `gone()` once the client hangs up, so a service
+    that is quiet for a while (a long computation) learns at once that nobody waits for it.
+    Our side of the connection stays open meanwhile: the request is framed, and servers that
+    take a half-close for a hang-up (tornado, Node's by default) would drop it unanswered."""
     async for chunk in request.stream():
         if chunk:
             await _send(ws, conn, h11.Data(data=chunk))
     await _send(ws, conn, h11.EndOfMessage())
-    await ws.send_text(TCP_EOF)
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone()
 
 
 async def _events(
@@ -176,7 +190,7 @@ async def _events(
         except h11.RemoteProtocolError as e:
             raise Closed(502, f"the service in the sandbox did not answer with HTTP: {e}") from None
         if event is h11.NEED_DATA:
-            conn.receive_data(await _receive(ws))
+            conn.receive_data(await receive_tcp(ws))
             continue
         if isinstance(event, (h11.Response, h11.Data)):
             yield event
@@ -184,7 +198,7 @@ async def _events(
             return  # EndOfMessage, or the connection's end
 
 
-async def _receive(ws: AsyncWebSocketSession) -> bytes:
+async def receive_tcp(ws: AsyncWebSocketSession) -> bytes:
     """The next bytes from the service; b"" once it closed its side."""
     while True:
         message = await ws.receive()

@@ -15,26 +15,24 @@ port and its end. It never reaches the sandbox: the ingress drops its cookie.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import re
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated
 from urllib.parse import parse_qsl, urlencode
 
 from fastapi import APIRouter, Path, Request
+from starlette.requests import HTTPConnection
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.api.deps import Caller, Svc, admit, authenticate, bearer
 from space.api.errors import APIError
+from space.api.grants import Grant
 from space.api.schemas import Link, NewLink
-from space.db.sealing import Sealer, SealError
+from space.db.sealing import Sealer
 from space.db.store import Tenant
-from space.e2b import ENVD_PATH, ENVD_PORT
+from space.e2b import ENVD_PATH, ENVD_PORT, tokens
 from space.problem import problem
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
@@ -42,42 +40,11 @@ router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
 LINK_PARAM = "space_link"
 COOKIE = "space_link"
 PREVIEW = "space.preview"  # in the scope of a request that came to a preview host
-CONTEXT = "preview link"  # what the seal is bound to: a token is good for nothing else
 MAX_TOKEN = 1024
 INVALID = "this link is not valid for this preview host, or it expired"
 
 Port = Annotated[int, Path(ge=1, le=65535)]
-
-
-@dataclass(frozen=True)
-class Grant:
-    """What a link's token says: the key that made it, the sandbox and port it opens, until."""
-
-    key_id: str
-    sandbox_id: str
-    port: int
-    expires: int  # unix time
-
-    def opens(self, sandbox_id: str, port: int) -> bool:
-        return (self.sandbox_id, self.port) == (sandbox_id, port) and time.time() < self.expires
-
-    def seal(self, sealer: Sealer, context: str = CONTEXT) -> str:
-        plain = json.dumps([self.key_id, self.sandbox_id, self.port, self.expires]).encode()
-        kid, blob = sealer.seal(plain, context)
-        return f"{kid}.{base64.urlsafe_b64encode(blob).decode().rstrip('=')}"
-
-    @classmethod
-    def open(cls, sealer: Sealer, token: str, context: str = CONTEXT) -> Grant | None:
-        """The grant of a token this deployment sealed for `context`; None for anything else."""
-        kid, _, b64 = token.rpartition(".")
-        if not kid or len(token) > MAX_TOKEN:
-            return None
-        try:
-            blob = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4))
-            key_id, sandbox_id, port, expires = json.loads(sealer.open(kid, blob, context))
-        except (SealError, binascii.Error, ValueError, TypeError):
-            return None
-        return cls(str(key_id), str(sandbox_id), int(port), int(expires))
+SANDBOX_ID = re.compile("[a-z0-9][a-z0-9-]{0,99}")
 
 
 class PreviewHosts:
@@ -87,31 +54,33 @@ class PreviewHosts:
     def __init__(self, app: ASGIApp, domain: str) -> None:
         self.app = app
         self.host = re.compile(
-            rf"(\d{{1,5}})-([a-z0-9][a-z0-9-]{{0,99}})\.{re.escape(domain)}\.?(?::\d{{1,5}})?"
+            rf"(\d{{1,5}})-({SANDBOX_ID.pattern})\.{re.escape(domain)}\.?(?::\d{{1,5}})?"
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        found = self._preview(scope) if scope["type"] == "http" else None
+        found = self._preview(scope) if scope["type"] in ("http", "websocket") else None
         if found is None:
+            port_call = _sandbox_port(scope) if scope["type"] == "http" else None
+            if port_call is not None:
+                scope = _to_port(scope, port_call, ENVD_PATH)
             await self.app(scope, receive, send)
             return
         sandbox_id, port = found
+        if scope["type"] == "websocket":  # a page's WebSocket: the link's cookie came before
+            await self.app(_to_port(scope, found), receive, send)
+            return
         if port == ENVD_PORT:
             await self.app(_to_envd(scope, sandbox_id), receive, send)
             return
         query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
-        tokens = [v for k, v in query if k == LINK_PARAM]
-        if tokens:
+        links = [v for k, v in query if k == LINK_PARAM]
+        if links:
             rest = urlencode([(k, v) for k, v in query if k != LINK_PARAM])
             sealer: Sealer = scope["app"].state.services.sealer
-            answer = _trade(sealer, tokens[0], sandbox_id, port, scope, rest)
+            answer = _trade(sealer, links[0], sandbox_id, port, scope, rest)
             await answer(scope, receive, send)
             return
-        prefix = f"/v1/sandboxes/{sandbox_id}/ports/{port}"
-        raw = scope.get("raw_path") or scope["path"].encode()
-        scope = {**scope, "path": prefix + scope["path"], "raw_path": prefix.encode() + raw,
-                 PREVIEW: found}  # fmt: skip
-        await self.app(scope, receive, send)
+        await self.app(_to_port(scope, found), receive, send)
 
     def _preview(self, scope: Scope) -> tuple[str, int] | None:
         host = next((v for k, v in scope["headers"] if k == b"host"), b"")
@@ -119,6 +88,31 @@ class PreviewHosts:
         if found is None or not 1 <= int(found[1]) <= 65535:
             return None
         return found[2], int(found[1])
+
+
+def _to_port(scope: Scope, found: tuple[str, int], strip: str = "") -> Scope:
+    """The request, addressed to the ingress route of that port of that sandbox (less the
+    `strip` its path began with)."""
+    prefix = f"/v1/sandboxes/{found[0]}/ports/{found[1]}"
+    path = scope["path"].removeprefix(strip)
+    raw = (scope.get("raw_path") or scope["path"].encode()).removeprefix(strip.encode())
+    return {**scope, "path": prefix + path, "raw_path": prefix.encode() + raw, PREVIEW: found}
+
+
+def _sandbox_port(scope: Scope) -> tuple[str, int] | None:
+    """E2B's SDKs send what is for a sandbox's port (the code interpreter's, …) to the daemon's
+    URL (E2B_SANDBOX_URL), naming the sandbox and the port in headers: (sandbox, port) of such
+    a call, None for any other."""
+    if not scope["path"].startswith(ENVD_PATH + "/"):
+        return None
+    headers = dict(scope["headers"])
+    port = headers.get(b"e2b-sandbox-port", b"").decode("latin-1")
+    sandbox_id = headers.get(b"e2b-sandbox-id", b"").decode("latin-1")
+    if not (port.isdigit() and 1 <= int(port) <= 65535 and int(port) != ENVD_PORT):
+        return None
+    if not SANDBOX_ID.fullmatch(sandbox_id):
+        return None
+    return sandbox_id, int(port)
 
 
 def _to_envd(scope: Scope, sandbox_id: str) -> Scope:
@@ -155,12 +149,15 @@ def _trade(
     return response
 
 
-async def ingress_caller(sandbox_id: str, port: Port, request: Request, svc: Svc) -> Tenant:
+async def ingress_caller(sandbox_id: str, port: Port, request: HTTPConnection, svc: Svc) -> Tenant:
     """The caller of an ingress request: by its API key, or on a preview host by the cookie
     of a link to this very port of this sandbox, made by a key that is still active."""
     key = bearer(request.headers.get("authorization"))
     if key or PREVIEW not in request.scope:
         return await authenticate(svc, key)
+    traffic = request.headers.get(tokens.TRAFFIC_HEADER)
+    if traffic is not None:  # E2B's SDKs, to a sandbox's port
+        return await tokens.holder(svc, traffic, sandbox_id, tokens.TRAFFIC, port)
     token = request.cookies.get(COOKIE)
     if token is None:
         raise APIError(401, "a preview host needs 'Authorization: Bearer <key>' or a link "

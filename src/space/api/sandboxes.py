@@ -93,6 +93,7 @@ async def create_sandbox(
     started = time.perf_counter()
     if body.network is not None:
         svc.check_egress(body.network)
+    body = await _disk_for(svc, body)
     values = body.model_dump()
     values["idempotency_key"] = idempotency_key
     values["request_id"] = logs.request_id.get()  # the controller's lines for it carry it on
@@ -134,6 +135,17 @@ async def create_sandbox(
     if created and row["state"] == "running":
         CREATE.labels(row["template"], row["boot"] or "").observe(time.perf_counter() - started)
     return Sandbox.from_row(row)
+
+
+async def _disk_for(svc: Svc, body: SandboxCreate) -> SandboxCreate:
+    """A create that names no disk size gets the default, or its template's size if that is
+    larger (`base` is the default's size: its creates need no look)."""
+    if "disk_mib" in body.model_fields_set or body.template == "base":
+        return body
+    size = await svc.store.template_disk_mib(body.template)
+    if size is None or size <= body.disk_mib:
+        return body
+    return body.model_copy(update={"disk_mib": size})
 
 
 def chosen_id(chosen: str, tenant_id: str) -> str:

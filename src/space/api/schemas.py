@@ -76,7 +76,12 @@ class SandboxCreate(Strict):
     template: str = Field("base", min_length=1, max_length=64)
     vcpus: int = Field(1, ge=1, le=16)
     memory_mib: int = Field(256, ge=128, le=16384)
-    disk_mib: int = Field(1024, ge=256, le=262144)
+    disk_mib: int = Field(
+        1024,
+        ge=256,
+        le=262144,
+        description="default: 1024, or the template's file system size where that is larger",
+    )
     timeout_s: int = Field(300, ge=1, le=7 * 24 * 3600)
     timeout_action: TimeoutAction = "pause"
     idle_timeout_s: int | None = Field(

@@ -1,4 +1,4 @@
-"""`space image ...`: build the guest kernel + initramfs and the `base` template on this host.
+"""`space image ...`: build the guest kernel + initramfs and SPACE's own images on this host.
 
 Both builds are cached under the cache directory (SPACE_CACHE_DIR); running a command again is a
 cache hit unless --force is given. The builders' log streams to the terminal as it comes.
@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from space.worker.images.base import ensure_base_template
+from space.worker.images import code_interpreter
+from space.worker.images.base import BASE, Flavor, ensure_image
 from space.worker.images.debs import ImageBuildError
 from space.worker.images.kernel import ensure_kernel
 
@@ -90,14 +91,27 @@ def kernel_cmd(force: bool) -> None:
 @click.option("--force", is_flag=True, help="Rebuild (and re-run mmdebstrap) even if cached.")
 def base_cmd(force: bool) -> None:
     """Build the `base` template: Debian bookworm minbase + python3 as an ext4 image."""
+    _build(BASE, force)
+
+
+@image.command("code-interpreter")
+@click.option("--force", is_flag=True, help="Rebuild (and re-run mmdebstrap) even if cached.")
+def code_interpreter_cmd(force: bool) -> None:
+    """Build the `code-interpreter` image: `base` with Jupyter's kernel, numpy, matplotlib and
+    SPACE's code interpreter service (`space template build -f` its spec, `space template
+    spec code-interpreter`, makes the template of it; `space up` does so by itself)."""
+    _build(code_interpreter.FLAVOR, force)
+
+
+def _build(flavor: Flavor, force: bool) -> None:
     started = time.monotonic()
     try:
-        with _streamer("building template base", started) as log:
-            t = ensure_base_template(log=log, force=force)
+        with _streamer(f"building template {flavor.name}", started) as log:
+            t = ensure_image(flavor, log=log, force=force)
     except ImageBuildError as e:
         raise click.ClickException(str(e)) from None
     _summary(
-        "template base",
+        f"template {flavor.name}",
         [
             ("key", t.key),
             ("rootfs", str(t.rootfs)),

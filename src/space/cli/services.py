@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import click
 import httpx
 
-from space import logs
+from space import interpreter, logs
 from space.client._config import (
     Credentials,
     credentials_path,
@@ -103,6 +104,20 @@ async def _bootstrap(url: str, api_url: str, pool: int) -> str:
         return saved
     finally:
         await store.close()
+
+
+def _build_code_interpreter(api_url: str, key: str) -> str:
+    """Start the build of the code-interpreter template (its image is made; this only makes it
+    a template, in seconds, and is a no-op when nothing changed): what to tell the user."""
+    from space.client import Space
+
+    spec = Path(interpreter.__file__).parent / "space.toml"
+    try:
+        with Space(api_url, key) as admin:
+            admin.build_template("code-interpreter", spec)
+    except SpaceError as e:
+        return f"not built: {e}"
+    return "(building: `space template ls`; E2B's code interpreter SDK uses it)"
 
 
 def _die_with_parent() -> None:
@@ -212,7 +227,7 @@ def _wait_worker(db_url: str, timeout: float = 120) -> None:
 def up(port: int, worker_port: int, pool: int, metrics_port: int, worker_metrics_port: int) -> None:
     """Bring the whole platform up on this machine and print how to use it."""
     from space.cli.doctor import require_healthy_host
-    from space.cli.images import base_cmd, kernel_cmd
+    from space.cli.images import base_cmd, code_interpreter_cmd, kernel_cmd
 
     if os.geteuid() != 0:
         raise click.ClickException("space up needs root (VMs, loop devices, network namespaces)")
@@ -220,6 +235,7 @@ def up(port: int, worker_port: int, pool: int, metrics_port: int, worker_metrics
     ctx = click.get_current_context()
     ctx.invoke(kernel_cmd, force=False)
     ctx.invoke(base_cmd, force=False)
+    ctx.invoke(code_interpreter_cmd, force=False)
     click.secho("space up: database", bold=True, err=True)
     settings = Settings.from_env()
     db_url = _database(settings)
@@ -257,6 +273,7 @@ def up(port: int, worker_port: int, pool: int, metrics_port: int, worker_metrics
     _wait_healthy(f"{api_url}/healthz")
     click.secho("space up: waiting for the worker", bold=True, err=True)
     _wait_worker(db_url)
+    interpreter = _build_code_interpreter(api_url, key)
     click.echo(
         f"""
 SPACE is up.
@@ -268,6 +285,7 @@ SPACE is up.
             http://127.0.0.1:{worker_metrics_port}/metrics (worker: per-sandbox figures)
             with  Authorization: Bearer {metrics_token}
   Warm pool: {pool} base sandboxes kept ready (`space pool set base N` changes it)
+  Templates: base; code-interpreter {interpreter}
 
   space sandbox create            # prints a sandbox id
   space exec <id> -- uname -a

@@ -31,6 +31,12 @@ router = APIRouter(tags=["e2b"])
 # every gate of the pinned SDKs is at or below it.
 ENVD_VERSION = "0.6.4"
 DEFAULT_TIMEOUT_S = 300  # the SDKs' documented default, which they do not send
+# E2B's names of templates SPACE has under names of its own: the code interpreter SDK asks
+# for its default template by this name.
+ALIASES = {"code-interpreter-v1": "code-interpreter"}
+# E2B's templates carry their sandboxes' size; SPACE's are sized at create. Each kernel of the
+# code interpreter takes ~90 MiB: the default 256 MiB would hold one context and no more.
+MEMORY_MIB = {"code-interpreter": 512}
 PAUSED = ("paused", "suspended", "pausing", "suspending")
 LISTED = ("running", "starting", "claiming", "resuming", *PAUSED)
 MAX_PAGE = 100
@@ -132,7 +138,7 @@ def sandbox(row: Row, svc: Svc, who: Tenant) -> dict[str, Any]:
         "clientID": row["worker_id"] or "space",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": tokens.issue(svc, who, row["id"]),
-        "trafficAccessToken": None,
+        "trafficAccessToken": tokens.issue(svc, who, row["id"], tokens.TRAFFIC),
         "domain": svc.settings.api.preview_domain,
     }
 
@@ -175,8 +181,11 @@ async def create(
 ) -> dict[str, Any]:
     if body.mcp is not None or body.volume_mounts:
         raise APIError(400, "mcp and volumeMounts are not supported by SPACE's E2B surface")
+    template = ALIASES.get(body.template_id, body.template_id)
+    shape = {"memory_mib": MEMORY_MIB[template]} if template in MEMORY_MIB else {}
     spec = _valid(SandboxCreate, {
-        "template": body.template_id,
+        **shape,
+        "template": template,
         "timeout_s": body.timeout or DEFAULT_TIMEOUT_S,
         "timeout_action": "suspend" if body.auto_pause else "delete",
         "env": body.env_vars or {},

@@ -22,6 +22,15 @@ class TemplateQueries(Queries):
         async with self.engine.begin() as c:
             await c.execute(pg_insert(t.templates).values(id=template_id).on_conflict_do_nothing())
 
+    async def template_disk_mib(self, template_id: str) -> int | None:
+        """The size of a built template's file system (what a sandbox's disk must hold)."""
+        tp = t.templates.c
+        size_bytes = tp.record["size_bytes"].astext.cast(sa.BigInteger)
+        q = sa.select(size_bytes).where(tp.id == template_id)
+        async with self.engine.connect() as c:
+            size = (await c.execute(q)).scalar()
+        return None if size is None else -(-size // (1 << 20))
+
     async def template_exists(self, template_id: str) -> bool:
         """Whether sandboxes can be made of it: `base`, or a template built at least once
         (a rebuild under way leaves the last build usable) and not being deleted."""

@@ -1,21 +1,24 @@
-"""The default template `base`: a minimal Debian bookworm root filesystem with python3.
+"""SPACE's own Debian images: the default template `base`, a minimal Debian bookworm root
+filesystem with python3, and others made the same way with more packages (`Flavor`).
 
 Two cached stages, so that changing the image tweaks never repeats the download:
   1. `mmdebstrap` (minbase + python3 and a few tools, from the host's Debian mirror) into a
      tarball under `cache_dir()/mmdebstrap/<key>.tar.zst`;
-  2. the tarball, unpacked and tweaked (hostname, hosts, no apt lists or caches), turned into a
-     sparse ext4 image with `mkfs.ext4 -d` (no mount needed) under
-     `cache_dir()/templates/base/<key>/rootfs.ext4`, next to its manifest.json.
+  2. the tarball, unpacked and tweaked (hostname, hosts, no apt lists or caches, the flavor's
+     own files), turned into a sparse ext4 image with `mkfs.ext4 -d` (no mount needed) under
+     `cache_dir()/templates/<name>/<key>/rootfs.ext4`, next to its manifest.json.
 The image is a template: sandboxes get reflinked copies of it, it is never written after build.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +65,20 @@ CLEAN_GLOBS: tuple[str, ...] = (
 # Bump when stage 1 or stage 2 change in a way their other inputs do not show.
 STAGE1_RECIPE = 1
 STAGE2_RECIPE = 1
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """One of SPACE's images: its packages and the files of ours it carries."""
+
+    name: str
+    include: tuple[str, ...] = INCLUDE
+    files: Callable[[], dict[str, bytes]] = dict  # path in the root -> content
+    size_bytes: int = DEFAULT_SIZE
+    recommends: bool = True  # apt's default; without, a scientific stack is a third the size
+
+
+BASE = Flavor("base")
 
 
 @dataclass(frozen=True)
@@ -134,22 +151,28 @@ def mirror_lines(suite: str = SUITE) -> list[str]:
 # --- stage 1: mmdebstrap ---------------------------------------------------------------------
 
 
-def _stage1_key(mirrors: list[str]) -> str:
+def _stage1_key(mirrors: list[str], flavor: Flavor) -> str:
     return debs.fingerprint(
         {
             "recipe": STAGE1_RECIPE,
             "suite": SUITE,
             "variant": VARIANT,
-            "include": list(INCLUDE),
+            "include": list(flavor.include),
             "dpkgopt": list(DPKG_OPTIONS),
             "mirrors": mirrors,
+            # Only where it differs from apt's default: `base` keeps its key.
+            **({} if flavor.recommends else {"aptopt": list(_aptopts(flavor))}),
         }
     )
 
 
-def _stage1(log: Log, force: bool, mirrors: list[str]) -> Path:
+def _aptopts(flavor: Flavor) -> tuple[str, ...]:
+    return () if flavor.recommends else ('Apt::Install-Recommends "false"',)
+
+
+def _stage1(log: Log, force: bool, mirrors: list[str], flavor: Flavor) -> Path:
     """The mmdebstrap tarball, made unless cached (always made when `force`)."""
-    key = _stage1_key(mirrors)
+    key = _stage1_key(mirrors, flavor)
     root = cache_dir() / "mmdebstrap"
     tarball = root / f"{key}.tar.zst"
     if tarball.is_file() and not force:
@@ -162,8 +185,9 @@ def _stage1(log: Log, force: bool, mirrors: list[str]) -> Path:
     cmd: list[str] = [
         "mmdebstrap",
         f"--variant={VARIANT}",
-        f"--include={','.join(INCLUDE)}",
+        f"--include={','.join(flavor.include)}",
         *(f"--dpkgopt={opt}" for opt in DPKG_OPTIONS),
+        *(f"--aptopt={opt}" for opt in _aptopts(flavor)),
         SUITE,
         str(tmp),
         *mirrors,
@@ -186,7 +210,7 @@ def _stage1(log: Log, force: bool, mirrors: list[str]) -> Path:
 # --- stage 2: the image ----------------------------------------------------------------------
 
 
-def _tweak(rootdir: Path) -> None:
+def _tweak(rootdir: Path, files: dict[str, bytes]) -> None:
     (rootdir / "etc/hostname").write_text(HOSTNAME + "\n")
     (rootdir / "etc/hosts").write_text(HOSTS)
     resolv = rootdir / "etc/resolv.conf"
@@ -200,6 +224,10 @@ def _tweak(rootdir: Path) -> None:
                     shutil.rmtree(path)
             else:
                 path.unlink()
+    for name, content in files.items():
+        path = rootdir / name.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
 
 
 def _dpkg_versions(rootdir: Path) -> dict[str, str]:
@@ -225,8 +253,8 @@ def _template(slot: CacheSlot, manifest: dict[str, object]) -> BaseTemplate:
     )
 
 
-def base_root() -> Path:
-    return cache_dir() / "templates" / "base"
+def base_root(name: str = BASE.name) -> Path:
+    return cache_dir() / "templates" / name
 
 
 def ensure_base_template(
@@ -236,11 +264,18 @@ def ensure_base_template(
 
     `force` rebuilds both stages (a fresh mmdebstrap picks up new package versions).
     """
+    return ensure_image(Flavor(BASE.name, size_bytes=size_bytes), log, force)
+
+
+def ensure_image(flavor: Flavor, log: Log = log_to_logging, force: bool = False) -> BaseTemplate:
+    """The flavor's image, built unless a build of the same inputs is cached."""
     started = time.monotonic()
+    size_bytes = flavor.size_bytes
     if size_bytes < 64 << 20 or size_bytes % 4096:
         raise ImageBuildError(f"template size {size_bytes} must be a multiple of 4 KiB >= 64 MiB")
     mirrors = mirror_lines()
-    stage1_key = _stage1_key(mirrors)
+    stage1_key = _stage1_key(mirrors, flavor)
+    files = flavor.files()
     key = debs.fingerprint(
         {
             "recipe": STAGE2_RECIPE,
@@ -251,21 +286,25 @@ def ensure_base_template(
             "clean": list(CLEAN_GLOBS),
             "size": size_bytes,
             "label": LABEL,
+            # Only a flavor with files of its own adds them: `base` keeps its key.
+            **({"files": {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}}
+               if files else {}),
         }
-    )
-    slot = CacheSlot(base_root(), key)
+    )  # fmt: skip
+    slot = CacheSlot(base_root(flavor.name), key)
+    what = f"template {flavor.name}"
     if not force and (manifest := slot.load()) is not None:
-        log(f"template base: reusing cached build {slot.path}")
+        log(f"{what}: reusing cached build {slot.path}")
         return _template(slot, manifest)
 
     with slot.locked():
         if not force and (manifest := slot.load()) is not None:
-            log("template base: built meanwhile by another process")
+            log(f"{what}: built meanwhile by another process")
             return _template(slot, manifest)
-        tarball = _stage1(log, force, mirrors)
+        tarball = _stage1(log, force, mirrors, flavor)
         tmp = slot.new_tmp()
         try:
-            manifest = _build_image(tmp, tarball, size_bytes, log)
+            manifest = _build_image(tmp, tarball, flavor, files, log)
             manifest.update(
                 key=key,
                 stage1_key=stage1_key,
@@ -276,11 +315,14 @@ def ensure_base_template(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    log(f"template base: built {slot.path} in {manifest['build_seconds']} s")
+    log(f"{what}: built {slot.path} in {manifest['build_seconds']} s")
     return _template(slot, manifest)
 
 
-def _build_image(out: Path, tarball: Path, size_bytes: int, log: Log) -> dict[str, object]:
+def _build_image(
+    out: Path, tarball: Path, flavor: Flavor, files: dict[str, bytes], log: Log
+) -> dict[str, object]:
+    size_bytes = flavor.size_bytes
     rootdir = out / "root"
     rootdir.mkdir()
     log(f"unpacking {tarball.name}")
@@ -299,7 +341,7 @@ def _build_image(out: Path, tarball: Path, size_bytes: int, log: Log) -> dict[st
         log,
         what="tar",
     )
-    _tweak(rootdir)
+    _tweak(rootdir, files)
     packages = _dpkg_versions(rootdir)
     if "python3" not in packages:
         raise ImageBuildError("the mmdebstrap output has no python3 installed")
@@ -317,10 +359,10 @@ def _build_image(out: Path, tarball: Path, size_bytes: int, log: Log) -> dict[st
     allocated = st.st_blocks * 512
     log(f"rootfs.ext4: {size_bytes >> 20} MiB, {allocated / 1e6:.0f} MB allocated")
     return {
-        "name": "base",
+        "name": flavor.name,
         "suite": SUITE,
         "variant": VARIANT,
-        "include": list(INCLUDE),
+        "include": list(flavor.include),
         "label": LABEL,
         "size_bytes": size_bytes,
         "allocated_bytes": allocated,

@@ -8,6 +8,8 @@
   dir:DIR                                a plain root directory
   tar:FILE                               a plain root tarball (plain, gzip or zstd)
   debian:bookworm                        the Debian base SPACE builds itself (`space image base`)
+  space:NAME                             one of SPACE's own images (`space image NAME`):
+                                         base, code-interpreter
 
 `resolve_source` finds out what the source is (its digest: the first link of the build's cache
 key) without unpacking it; `Source.unpack` then writes the root directory.
@@ -27,12 +29,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from space.worker.images import base as base_image
+from space.worker.images import code_interpreter
 from space.worker.templates import oci
 from space.worker.templates.errors import ImageError, RegistryError, SpecError
 from space.worker.templates.registry import Credentials, ImageReference, RegistryClient
 
 Log = Callable[[str], None]
-KINDS = ("oci", "oci-layout", "oci-archive", "docker-archive", "dir", "tar", "debian")
+KINDS = ("oci", "oci-layout", "oci-archive", "docker-archive", "dir", "tar", "debian", "space")
+OWN_IMAGES = {f.name: f for f in (base_image.BASE, code_interpreter.FLAVOR)}
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,18 @@ class SourceRef:
             raise SpecError(
                 f"'from = {text!r}' names no known source; use one of oci://REGISTRY/NAME:TAG, "
                 "oci-layout:DIR, oci-archive:FILE, docker-archive:FILE, dir:DIR, tar:FILE, "
-                "debian:bookworm"
+                "debian:bookworm, space:NAME"
             )
         if kind == "debian":
             if location != base_image.SUITE:
                 raise SpecError(
                     f"'from = {text!r}': only debian:{base_image.SUITE} is available as a base"
                 )
+            return cls(kind, location)
+        if kind == "space":
+            if location not in OWN_IMAGES:
+                raise SpecError(f"'from = {text!r}': SPACE's own images are "
+                                f"{', '.join(f'space:{n}' for n in OWN_IMAGES)}")  # fmt: skip
             return cls(kind, location)
         path = Path(location)
         if not path.is_absolute() and base_dir is not None:
@@ -99,11 +108,13 @@ async def resolve_source(
 ) -> Source:
     if ref.kind == "oci":
         return await _registry_source(ref, log, credentials, insecure)
-    if ref.kind == "debian":
-        tpl = await asyncio.to_thread(base_image.ensure_base_template, log)
+    if ref.kind in ("debian", "space"):
+        flavor = OWN_IMAGES[ref.location if ref.kind == "space" else base_image.BASE.name]
+        tpl = await asyncio.to_thread(base_image.ensure_image, flavor, log)
         # The key under which `space.worker.images.defaults` imports `base` into the pool.
-        key = f"base-{tpl.key}"
-        return Source(ref, digest=f"space-base:{tpl.key}", image=tpl.rootfs, image_key=key)
+        key = f"{flavor.name}-{tpl.key}"
+        return Source(ref, digest=f"space-{flavor.name}:{tpl.key}", image=tpl.rootfs,
+                      image_key=key)  # fmt: skip
     path = Path(ref.location)
     if not path.exists():
         raise SpecError(f"source {ref}: {path} does not exist")

@@ -1,0 +1,158 @@
+"""E2B's code interpreter SDK, unmodified (the pinned `e2b-code-interpreter`), against SPACE's
+`code-interpreter` template: the template built from the spec SPACE ships (as `space up` does),
+then `run_code` with its documented uses in a real sandbox: a matplotlib plot comes back as a
+PNG, state persists between cells, output streams, errors and env vars, contexts. And what
+must not work: another tenant's token, none, and our tokens reaching the sandbox."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from e2b import Sandbox as PlainSandbox
+from e2b_code_interpreter import AsyncSandbox, Sandbox
+
+from ..stack import Platform
+from .test_e2b import opts
+
+pytestmark = pytest.mark.vm
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def sbx(platform: Platform, code_interpreter: str) -> Iterator[Sandbox]:
+    # No template named: the SDK asks for its default, `code-interpreter-v1`.
+    sandbox = Sandbox.create(timeout=600, **opts(platform))
+    try:
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+def test_run_code_returns_a_plot_and_keeps_state(sbx: Sandbox) -> None:
+    plot = sbx.run_code("import matplotlib.pyplot as plt; plt.plot([1, 2]); plt.show()")
+    assert plot.error is None, plot.error
+    (png,) = [r.png for r in plot.results if r.png]
+    assert base64.b64decode(png).startswith(PNG)
+
+    assert sbx.run_code("x = 41").error is None
+    answer = sbx.run_code("x + 1")
+    assert answer.text == "42" and answer.results[0].is_main_result
+    assert answer.execution_count is not None and answer.execution_count >= 3
+
+    lines: list[str] = []
+    printed = sbx.run_code(
+        "import sys; print('out'); print('err', file=sys.stderr)",
+        on_stdout=lambda m: lines.append(m.line),
+    )
+    assert printed.logs.stdout == ["out\n"] and printed.logs.stderr == ["err\n"]
+    assert lines == ["out\n"]
+
+    failed = sbx.run_code("1 / 0")
+    assert failed.error is not None and failed.error.name == "ZeroDivisionError"
+    assert "division by zero" in failed.error.value
+
+    env = sbx.run_code("import os; os.environ.get('TRY')", envs={"TRY": "given"})
+    assert env.text == "'given'"
+    assert sbx.run_code("import os; os.environ.get('TRY')").text is None  # only for that cell
+
+    # The kernel is in the sandbox: what it writes, the sandbox's files show.
+    sbx.run_code("open('/tmp/from-kernel', 'w').write('k')")
+    assert sbx.files.read("/tmp/from-kernel") == "k"
+
+
+def test_contexts_hold_state_of_their_own(sbx: Sandbox) -> None:
+    sbx.run_code("shared = 'default'")
+    ctx = sbx.create_code_context(cwd="/tmp")
+    assert ctx.language == "python" and ctx.cwd == "/tmp"
+    assert ctx.id in {c.id for c in sbx.list_code_contexts()}
+    assert sbx.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+    assert sbx.run_code("'shared' in dir()", context=ctx).text == "False"
+    sbx.run_code("mine = 1", context=ctx)
+    sbx.restart_code_context(ctx)
+    assert sbx.run_code("'mine' in dir()", context=ctx).text == "False"
+    sbx.remove_code_context(ctx)
+    assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+    assert sbx.run_code("shared").text == "'default'"
+
+    with pytest.raises(Exception, match="not in this template"):
+        sbx.run_code("1", language="r")
+
+
+def test_a_cell_whose_caller_left_is_interrupted(sbx: Sandbox) -> None:
+    started = time.monotonic()
+    with pytest.raises(Exception, match="timed out"):
+        sbx.run_code("import time\nwhile True: time.sleep(0.1)", timeout=3)
+    # The context is free again: the cell was interrupted, not run on forever.
+    assert sbx.run_code("'free'").text == "'free'"
+    assert time.monotonic() - started < 90
+
+
+async def test_the_async_sdk(platform: Platform, code_interpreter: str) -> None:
+    sandbox = await AsyncSandbox.create(timeout=600, **opts(platform))
+    try:
+        done = await sandbox.run_code("sum(range(10))")
+        assert done.text == "45"
+    finally:
+        await sandbox.kill()
+
+
+def test_ports_need_the_sandboxs_own_token_which_never_reaches_it(
+    platform: Platform, sbx: Sandbox
+) -> None:
+    url = f"{platform.api_url}/e2b/envd/execute"
+    head = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    assert sbx.traffic_access_token
+
+    def execute(**more: str) -> httpx.Response:
+        return httpx.post(url, json={"code": "1"}, headers={**head, **more})
+
+    ok = execute(**{"E2B-Traffic-Access-Token": sbx.traffic_access_token})
+    assert ok.status_code == 200 and '"end_of_execution"' in ok.text
+
+    # None; the envd token in its place; another tenant's; an altered one.
+    other = PlainSandbox.create("base", timeout=120, **opts(platform, platform.key_b))
+    try:
+        theirs = other.traffic_access_token or ""
+        refused = [
+            execute(),
+            execute(**{"X-Access-Token": sbx._envd_access_token or ""}),
+            execute(**{"E2B-Traffic-Access-Token": theirs}),
+            execute(**{"E2B-Traffic-Access-Token": sbx.traffic_access_token[:-2] + "AA"}),
+        ]
+        assert [r.status_code for r in refused] == [401] * 4, [r.text for r in refused]
+        # Nor does the other tenant's token open this sandbox at its own preview host.
+        host = f"49999-{sbx.sandbox_id}.localhost"
+        r = httpx.post(f"{platform.api_url}/execute", json={"code": "1"},
+                       headers={"Host": host, "E2B-Traffic-Access-Token": theirs})  # fmt: skip
+        assert r.status_code == 401, r.text
+    finally:
+        other.kill()
+
+    # A service in the sandbox sees the request, never the tokens that let it in.
+    sbx.commands.run(ECHO, background=True)
+    sbx.commands.run("for i in $(seq 100); do test -e /tmp/echo-up && break; sleep 0.1; done")
+    seen = httpx.get(f"{platform.api_url}/e2b/envd/anything", headers={
+        "E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8123", "X-Access-Token": "x",
+        "E2B-Traffic-Access-Token": sbx.traffic_access_token, "X-Mine": "kept"})  # fmt: skip
+    assert seen.status_code == 200, seen.text
+    headers = {k.lower() for k in json.loads(seen.text)}
+    assert "x-mine" in headers
+    assert not headers & {"x-access-token", "e2b-traffic-access-token", "authorization"}
+
+
+ECHO = """python3 -c '
+import http.server, json, pathlib
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps(dict(self.headers)).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+s = http.server.HTTPServer(("127.0.0.1", 8123), H)
+pathlib.Path("/tmp/echo-up").touch()
+s.serve_forever()'"""
