@@ -76,8 +76,7 @@ def test_messages_both_ways_with_the_key(platform: Platform, service: str) -> No
         ws_url(platform, service, "echo?x=1"), http, subprotocols=["other", "chat"]
     ) as ws:  # fmt: skip
         hello = json.loads(ws.receive_text())
-        assert hello["uri"] == "/echo?x=1"
-        assert "chat" in hello["headers"].get("Sec-Websocket-Protocol", "")
+        assert hello["uri"] == "/echo?x=1" and ws.subprotocol == "chat"
         seen = {k.lower() for k in hello["headers"]}
         assert "x-mine" in seen and "authorization" not in seen
         ws.send_text("hello")
@@ -126,6 +125,13 @@ def test_a_preview_host_by_a_link(platform: Platform, service: str) -> None:
         assert hello["uri"] == "/echo" and "space_link" not in hello["headers"].get("Cookie", "")
         ws.send_text("via a link")
         assert ws.receive_text() == "via a link"
+    # A page of another preview host (the same site: the cookie would go along) is refused.
+    elsewhere = f"http://1-sb-elsewhere.localhost:{platform.api_url.rsplit(':', 1)[1]}"
+    with pytest.raises(WebSocketUpgradeError) as foreign, httpx.Client(
+        headers={"Host": host, "Cookie": cookie(link), "Origin": elsewhere}
+    ) as http, connect_ws(f"{base}/echo", http):  # fmt: skip
+        pass
+    assert foreign.value.response.status_code == 403
     # A link to another port of the sandbox does not open this one.
     theirs = f"space_link={other.split('space_link=')[1]}"
     with pytest.raises(WebSocketUpgradeError) as refused, httpx.Client(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import wsproto.events as wse
@@ -124,16 +124,23 @@ async def _pump_ws(client: WebSocket, up: AsyncWebSocketSession) -> None:
             elif msg.get("text") is not None:
                 await up.send_text(msg["text"])
 
-    tasks = [asyncio.ensure_future(downstream()), asyncio.ensure_future(upstream())]
+    quiet = (UpstreamDisconnect, WebSocketDisconnect, HTTPXWSException)
+    await until_first(downstream(), upstream(), quiet=quiet)
+
+
+async def until_first(
+    *jobs: Coroutine[Any, Any, None], quiet: tuple[type[BaseException], ...] = ()
+) -> None:
+    """Run the jobs until one of them ends, then cancel the others and wait for them (the
+    directions of a relay: either side's end is the relay's). `quiet`: how they may end."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(
-                asyncio.CancelledError, UpstreamDisconnect, WebSocketDisconnect, HTTPXWSException
-            ):
+            with contextlib.suppress(asyncio.CancelledError, *quiet):
                 await task
 
 

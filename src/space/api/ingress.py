@@ -40,7 +40,7 @@ HEAD_TIMEOUT_S = 60.0  # for the service's answer to begin
 # Not passed on: hop-by-hop headers, framing (h11 frames what it sends), our own credentials.
 DROP_IN = {"host", "authorization", "cookie", "connection", "keep-alive", "transfer-encoding",
            "content-length", "te", "upgrade", "proxy-authorization", "proxy-connection",
-           "trailer", "x-access-token", "e2b-traffic-access-token", "e2b-sandbox-id",
+           "trailer", "x-api-key", "x-access-token", "e2b-traffic-access-token", "e2b-sandbox-id",
            "e2b-sandbox-port"}  # fmt: skip
 DROP_OUT = {"connection", "keep-alive", "transfer-encoding", "content-length", "trailer",
             "upgrade", "proxy-connection"}  # fmt: skip

@@ -23,13 +23,14 @@ from fastapi import APIRouter, Path, WebSocket, WebSocketDisconnect
 from httpx_ws import AsyncWebSocketSession, HTTPXWSException
 from httpx_ws import WebSocketDisconnect as UpstreamDisconnect
 from starlette.responses import PlainTextResponse
+from starlette.websockets import WebSocketState
 from wsproto.connection import ConnectionType
 
-from space.api.data import target
+from space.api.data import target, until_first
 from space.api.deps import Services
 from space.api.errors import APIError
 from space.api.ingress import DROP_IN, HEAD_TIMEOUT_S, Closed, receive_tcp, write_tcp
-from space.api.previews import ingress_caller, without_link
+from space.api.previews import PREVIEW, ingress_caller, without_link
 from space.db.store import NotFound
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
@@ -49,6 +50,9 @@ async def ingress_ws(
 ) -> None:
     """A WebSocket to 127.0.0.1:PORT inside the sandbox, relayed message by message."""
     svc: Services = websocket.app.state.services
+    if not _same_origin(websocket):
+        await _refuse(websocket, 403, "a preview host takes WebSockets from its own pages only")
+        return
     try:
         caller = await ingress_caller(sandbox_id, port, websocket, svc)
         worker = await target(svc, caller.id, sandbox_id)
@@ -74,10 +78,24 @@ async def ingress_ws(
                 return
             await websocket.accept(subprotocol=accepted.subprotocol)
             await _pump(websocket, tunnel, conn)
-    except (UpstreamDisconnect, HTTPXWSException, OSError, httpx.HTTPError) as e:
-        await _refuse(websocket, 502, f"port {port} in the sandbox: {e}")
+    except (UpstreamDisconnect, HTTPXWSException, OSError, httpx.HTTPError, Closed) as e:
+        if websocket.client_state == WebSocketState.CONNECTING:
+            await _refuse(websocket, 502, f"port {port} in the sandbox: {e}")
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect):
+            await websocket.close(code=1011, reason="the connection to the service failed")
     with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the client may be gone
         await websocket.close()
+
+
+def _same_origin(websocket: WebSocket) -> bool:
+    """At a preview host, where a link's cookie may be what lets the caller in, a browser's
+    WebSocket must come from a page of that host: the cookie goes along with WebSockets that
+    pages of other preview hosts (the same site) open, and WebSockets know no CORS."""
+    origin = websocket.headers.get("origin")
+    if PREVIEW not in websocket.scope or origin is None:
+        return True
+    host = websocket.headers.get("host", "")
+    return origin.lower() in (f"http://{host}".lower(), f"https://{host}".lower())
 
 
 async def _handshake(
@@ -88,7 +106,8 @@ async def _handshake(
     path: str,
 ) -> wse.AcceptConnection:
     """The service's acceptance of the client's handshake, as we pass it on."""
-    offered = websocket.headers.get("sec-websocket-protocol", "")
+    # The server takes the offer out of the headers (ASGI hands it over on its own).
+    offered = [str(p) for p in websocket.scope.get("subprotocols", [])]
     headers = [(k.encode("latin-1"), v.encode("latin-1"))
                for k, v in websocket.headers.items()
                if k.lower() not in DROP_IN | HANDSHAKE]  # fmt: skip
@@ -98,7 +117,7 @@ async def _handshake(
     request = wse.Request(
         host=f"localhost:{port}",
         target="/" + path + (f"?{query}" if query else ""),
-        subprotocols=[p.strip() for p in offered.split(",") if p.strip()],
+        subprotocols=offered,
         extra_headers=headers,
     )
     await write_tcp(tunnel, conn.send(request))
@@ -121,18 +140,23 @@ async def _pump(
     client: WebSocket, tunnel: AsyncWebSocketSession, conn: wsproto.WSConnection
 ) -> None:
     """Messages both ways until either side closes; the other side is then closed too."""
+    writing = asyncio.Lock()  # a Pong or a Close must not land inside a message's frames
+
+    async def write(data: bytes) -> None:
+        async with writing:
+            await write_tcp(tunnel, data)
 
     async def to_service() -> None:
         while True:
             msg = await client.receive()
             if msg["type"] == "websocket.disconnect":
                 code = msg.get("code", 1000)
-                await write_tcp(tunnel, conn.send(wse.CloseConnection(code=_closable(code))))
+                await write(conn.send(wse.CloseConnection(code=_closable(code))))
                 return
             if msg.get("bytes") is not None:
-                await write_tcp(tunnel, conn.send(wse.Message(data=msg["bytes"])))
+                await write(conn.send(wse.Message(data=msg["bytes"])))
             elif msg.get("text") is not None:
-                await write_tcp(tunnel, conn.send(wse.Message(data=msg["text"])))
+                await write(conn.send(wse.Message(data=msg["text"])))
 
     async def to_client() -> None:
         parts: list[bytes | str] = []
@@ -143,7 +167,7 @@ async def _pump(
             for event in conn.events():
                 if isinstance(event, wse.Message):
                     parts.append(event.data)
-                    size += len(event.data)
+                    size += len(event.data.encode() if isinstance(event.data, str) else event.data)
                     if size > MAX_MESSAGE:
                         await client.close(code=1009, reason="message too big")
                         return
@@ -151,28 +175,22 @@ async def _pump(
                         await _deliver(client, parts)
                         parts, size = [], 0
                 elif isinstance(event, wse.Ping):
-                    await write_tcp(tunnel, conn.send(event.response()))
+                    await write(conn.send(event.response()))
+                elif isinstance(event, wse.CloseConnection) and event.code == 1006:
+                    await client.close(code=1011, reason="the service went away")
+                    return
                 elif isinstance(event, wse.CloseConnection):
                     with contextlib.suppress(wsproto.utilities.LocalProtocolError):
-                        await write_tcp(tunnel, conn.send(event.response()))
+                        await write(conn.send(event.response()))
                     await client.close(code=_closable(event.code), reason=event.reason or "")
                     return
-            if not data:
+            if not data:  # the service's connection ended without a close
                 await client.close(code=1011, reason="the service went away")
                 return
 
-    tasks = [asyncio.ensure_future(to_service()), asyncio.ensure_future(to_client())]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(
-                asyncio.CancelledError, UpstreamDisconnect, WebSocketDisconnect,
-                HTTPXWSException, RuntimeError, wsproto.utilities.LocalProtocolError,
-            ):  # fmt: skip
-                await task
+    await until_first(to_service(), to_client(), quiet=(
+        UpstreamDisconnect, WebSocketDisconnect, HTTPXWSException, RuntimeError, Closed,
+        wsproto.utilities.LocalProtocolError))  # fmt: skip
 
 
 async def _deliver(client: WebSocket, parts: list[bytes | str]) -> None:

@@ -45,6 +45,7 @@ INVALID = "this link is not valid for this preview host, or it expired"
 
 Port = Annotated[int, Path(ge=1, le=65535)]
 SANDBOX_ID = re.compile("[a-z0-9][a-z0-9-]{0,99}")
+PORT = re.compile("[0-9]{1,5}")
 
 
 class PreviewHosts:
@@ -66,13 +67,14 @@ class PreviewHosts:
             await self.app(scope, receive, send)
             return
         sandbox_id, port = found
+        query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
         if scope["type"] == "websocket":  # a page's WebSocket: the link's cookie came before
-            await self.app(_to_port(scope, found), receive, send)
+            kept = urlencode([(k, v) for k, v in query if k != LINK_PARAM]).encode()
+            await self.app({**_to_port(scope, found), "query_string": kept}, receive, send)
             return
         if port == ENVD_PORT:
             await self.app(_to_envd(scope, sandbox_id), receive, send)
             return
-        query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
         links = [v for k, v in query if k == LINK_PARAM]
         if links:
             rest = urlencode([(k, v) for k, v in query if k != LINK_PARAM])
@@ -108,7 +110,7 @@ def _sandbox_port(scope: Scope) -> tuple[str, int] | None:
     headers = dict(scope["headers"])
     port = headers.get(b"e2b-sandbox-port", b"").decode("latin-1")
     sandbox_id = headers.get(b"e2b-sandbox-id", b"").decode("latin-1")
-    if not (port.isdigit() and 1 <= int(port) <= 65535 and int(port) != ENVD_PORT):
+    if not (PORT.fullmatch(port) and 1 <= int(port) <= 65535 and int(port) != ENVD_PORT):
         return None
     if not SANDBOX_ID.fullmatch(sandbox_id):
         return None
