@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Annotated
+from urllib.parse import quote, unquote
 
 import h11
 import httpx
@@ -25,6 +27,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from httpx_ws import AsyncWebSocketSession, HTTPXWSException
 from httpx_ws import WebSocketDisconnect as UpstreamDisconnect
+from starlette.requests import HTTPConnection
 
 from space.api.data import target
 from space.api.deps import Svc
@@ -109,21 +112,25 @@ async def _relay(
     none), then its body into `chunks`, None at its end (also where it broke off)."""
     try:
         async with connect as ws:
-            conn = h11.Connection(h11.CLIENT)
-            await _send(ws, conn, _request(request, port, path))
-            relay = asyncio.current_task()
-            assert relay is not None
-            sending = asyncio.ensure_future(_send_body(ws, conn, request, relay.cancel))
             try:
-                async for event in _events(ws, conn):
-                    if isinstance(event, h11.Response):
-                        head.set_result(event)
-                    elif isinstance(event, h11.Data):
-                        await chunks.put(bytes(event.data))
+                conn = h11.Connection(h11.CLIENT)
+                await _send(ws, conn, _request(request, port, path))
+                relay = asyncio.current_task()
+                assert relay is not None
+                gone = functools.partial(_cancel_once, relay)
+                sending = asyncio.ensure_future(_send_body(ws, conn, request, gone))
+                try:
+                    async for event in _events(ws, conn):
+                        if isinstance(event, h11.Response):
+                            head.set_result(event)
+                        elif isinstance(event, h11.Data):
+                            await chunks.put(bytes(event.data))
+                finally:
+                    await _stop(sending)
+                if not head.done():
+                    raise Closed(502, "the connection ended before an answer")
             finally:
-                await _stop(sending)
-            if not head.done():
-                raise Closed(502, "the connection ended before an answer")
+                await close_tunnel(ws)
     except Closed as e:
         _fail(head, APIError(e.status, f"port {port} in the sandbox: {e}"))
     except (UpstreamDisconnect, HTTPXWSException) as e:
@@ -140,8 +147,22 @@ def _fail(head: asyncio.Future[h11.Response], error: APIError) -> None:
         head.set_exception(error)
 
 
+def service_target(request: HTTPConnection, path: str) -> str:
+    """The request target for the service: its path as the client wrote it (`%2F`, `%3F` and
+    `%20` stay as they were), after the ingress route's prefix, and the query."""
+    decoded = request.scope["path"]
+    slashes = decoded[: len(decoded) - len(path)].count("/")  # the prefix's, up to `path`
+    raw = (request.scope.get("raw_path") or b"").split(b"/", slashes)
+    if len(raw) > slashes and unquote(rest := raw[-1].decode("latin-1")) == path:
+        target_ = "/" + rest
+    else:  # a prefix written oddly (encoded): the decoded path, encoded again
+        target_ = quote("/" + path)
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    return target_ + (f"?{query}" if query else "")
+
+
 def _request(request: Request, port: int, path: str) -> h11.Request:
-    target_ = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+    target_ = service_target(request, path)
     headers = [("Host", f"localhost:{port}"), ("Connection", "close")]
     headers += [(k, v) for k, v in request.headers.items() if k.lower() not in DROP_IN]
     if cookie := without_link(request.headers.get("cookie", "")):
@@ -217,10 +238,30 @@ def _why(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-async def _stop(task: asyncio.Future[None]) -> None:
-    task.cancel()
+async def _stop(task: asyncio.Task[None]) -> None:
+    _cancel_once(task)
     with contextlib.suppress(asyncio.CancelledError, UpstreamDisconnect, HTTPXWSException):
         await task
+
+
+_closing: set[asyncio.Task[None]] = set()
+
+
+async def close_tunnel(ws: AsyncWebSocketSession) -> None:
+    """Close the tunnel in a task of its own: in the relay's task, the cancel that ends it (its
+    client left) cuts the close short, and the worker (so the service) would learn of it only
+    when its pings went unanswered, ~40 s later."""
+    closing = asyncio.ensure_future(ws.close())
+    _closing.add(closing)
+    closing.add_done_callback(_closing.discard)
+    with contextlib.suppress(UpstreamDisconnect, HTTPXWSException, OSError, httpx.HTTPError):
+        await asyncio.shield(closing)
+
+
+def _cancel_once(task: asyncio.Task[None]) -> None:
+    """Cancel the task unless it is already being cancelled."""
+    if not task.done() and not task.cancelling():
+        task.cancel()
 
 
 for _method in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"):

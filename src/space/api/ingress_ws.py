@@ -29,7 +29,14 @@ from wsproto.connection import ConnectionType
 from space.api.data import target, until_first
 from space.api.deps import Services
 from space.api.errors import APIError
-from space.api.ingress import DROP_IN, HEAD_TIMEOUT_S, Closed, receive_tcp, write_tcp
+from space.api.ingress import (
+    DROP_IN,
+    HEAD_TIMEOUT_S,
+    Closed,
+    receive_tcp,
+    service_target,
+    write_tcp,
+)
 from space.api.previews import PREVIEW, ingress_caller, without_link
 from space.db.store import NotFound
 
@@ -113,10 +120,9 @@ async def _handshake(
                if k.lower() not in DROP_IN | HANDSHAKE]  # fmt: skip
     if cookie := without_link(websocket.headers.get("cookie", "")):
         headers.append((b"cookie", cookie.encode("latin-1")))
-    query = websocket.url.query
     request = wse.Request(
         host=f"localhost:{port}",
-        target="/" + path + (f"?{query}" if query else ""),
+        target=service_target(websocket, path),
         subprotocols=offered,
         extra_headers=headers,
     )

@@ -73,7 +73,11 @@ class Context:
         async with self.turn:
             restore = await self._set_env(env) if env else ""
             try:
-                msg_id = self.client.execute(code, store_history=True, allow_stdin=False)
+                # Not stop_on_error: a cell cut short by its caller's leaving must not abort
+                # the next one, sent before the kernel was done with it.
+                msg_id = self.client.execute(
+                    code, store_history=True, allow_stdin=False, stop_on_error=False
+                )
                 async for output in self._outputs(msg_id):
                     yield output
             finally:
@@ -127,7 +131,7 @@ class Context:
 
     async def _quietly(self, code: str) -> None:
         """Run code of ours: not in the history, no output, no execution count."""
-        msg_id = self.client.execute(code, silent=True, store_history=False)
+        msg_id = self.client.execute(code, silent=True, store_history=False, stop_on_error=False)
         async for _ in self._outputs(msg_id):
             pass
 

@@ -128,8 +128,12 @@ class Execute(Handler):
     stopping: asyncio.Future[None] | None = None
 
     def on_connection_close(self) -> None:
-        # Nobody waits for this cell any more: stop it, so the context is free again.
-        if self.running is not None:
+        self._stop()
+
+    def _stop(self) -> None:
+        """Nobody waits for this cell any more: interrupt it (once: a second interrupt could
+        land in the context's next cell), so the context is free again."""
+        if self.running is not None and self.stopping is None:
             self.stopping = asyncio.ensure_future(self.running.interrupt())
 
     async def post(self) -> None:
@@ -148,7 +152,7 @@ class Execute(Handler):
                 self.write(json.dumps(output) + "\n")
                 await self.flush()
         except StreamClosedError:
-            await context.interrupt()
+            self._stop()
             await outputs.aclose()
         finally:
             self.running = None

@@ -32,11 +32,17 @@ async def bridge(ws: WebSocket, agent: AgentClient, port: int) -> None:
         down = asyncio.ensure_future(_down(ws, stream))
         up = asyncio.ensure_future(_up(ws, stream))
         try:
-            await down  # the guest's side ended (or broke): nothing more to send
+            # The guest's side ended (or broke): nothing more to send. Or the client went
+            # away (`_up` aborted the connection): nobody to send to.
+            await asyncio.wait([down, up], return_when=asyncio.FIRST_COMPLETED)
+            if down.done():
+                down.result()
         finally:
-            up.cancel()
-            with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, AgentError):
-                await up
+            for task in (up, down):
+                task.cancel()
+            for task in (up, down):
+                with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, AgentError):
+                    await task
     with contextlib.suppress(WebSocketDisconnect, RuntimeError):
         await ws.close(code=1000)
 
