@@ -4,12 +4,15 @@
     `space.Sandbox.create()` + `exec(["true"])` (no warm pool, one at a time, alternated)
   - a command's round trip on a running sandbox: `commands.run("true")` (envd's Connect RPC,
     answered by the API)  vs  `exec(["true"])` (SPACE's NDJSON exec)
+  - the code interpreter (`e2b_code_interpreter`): create → first cell answered
+    (`Sandbox.create()` + `run_code("1 + 1")`) and a cell's round trip, beside the E2B SDK's
+    create → first command and command round trip above
 
 The difference is what the E2B surface costs: its token check, the Connect encoding and the
 process started in the background and followed (envd's semantics).
 
 Starts its own embedded PostgreSQL, API, controller and worker. Run as root:
-  .venv/bin/python bench/e2b_sdk.py [--creates 20] [--execs 100] [--json out.json]
+  .venv/bin/python bench/e2b_sdk.py [--creates 20] [--execs 100] [--cells 100] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,16 +25,22 @@ from pathlib import Path
 from typing import Any
 
 import e2b
+import e2b_code_interpreter
 
 import space
+import space.interpreter
 from services import platform
 from space.db.store import Store
 from vm_runtime import percentile_table, percentiles
 
+SPEC = Path(space.interpreter.__file__).parent / "space.toml"
+
 
 async def setup(store: Store) -> dict[str, str]:
     tenant = await store.create_tenant(f"bench-e2b-{secrets.token_hex(3)}")
-    return {"key": await store.create_api_key(tenant.id)}
+    admin = await store.create_tenant(f"bench-e2b-admin-{secrets.token_hex(3)}")
+    return {"key": await store.create_api_key(tenant.id),
+            "admin": await store.create_api_key(admin.id, admin=True)}  # fmt: skip
 
 
 def timed(fn: Any) -> float:
@@ -44,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--creates", type=int, default=20)
     parser.add_argument("--execs", type=int, default=100)
+    parser.add_argument("--cells", type=int, default=100)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with platform(setup) as (p, keys):
@@ -79,12 +89,15 @@ def main() -> None:
             e2b_execs.append(timed(lambda: sbx.commands.run("true")))
             space_execs.append(timed(lambda: own.exec(["true"])))
         sbx.kill()
+        ci_creates, cells = interpreter(p.url, keys, e2b_opts, args.creates, args.cells)
         sdk.close()
     results = {
         "e2b_sdk_create_to_first_command": percentiles(e2b_creates),
         "space_sdk_create_to_first_command": percentiles(space_creates),
         "e2b_sdk_command_true": percentiles(e2b_execs),
         "space_sdk_exec_true": percentiles(space_execs),
+        "e2b_code_interpreter_create_to_first_cell": percentiles(ci_creates),
+        "e2b_code_interpreter_cell_1_plus_1": percentiles(cells),
     }
     results["ratio_create_p50"] = (
         results["e2b_sdk_create_to_first_command"]["p50_ms"]
@@ -99,6 +112,30 @@ def main() -> None:
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+
+
+def interpreter(
+    url: str, keys: dict[str, str], opts: dict[str, Any], creates: int, cells: int
+) -> tuple[list[float], list[float]]:
+    """The code-interpreter template built as `space up` builds it, then its creates (each to
+    its first cell) and cells on one sandbox."""
+    with space.Space(url, keys["admin"]) as admin:
+        admin.build_template("code-interpreter", SPEC)
+        for _ in admin.build_log("code-interpreter"):
+            pass
+    # The first create makes the template's base snapshot (a boot, the kernel started).
+    e2b_code_interpreter.Sandbox.create(**opts).kill()
+    made: list[float] = []
+    for _ in range(creates):
+        t = time.perf_counter()
+        sbx = e2b_code_interpreter.Sandbox.create(**opts)
+        sbx.run_code("1 + 1")
+        made.append(time.perf_counter() - t)
+        sbx.kill()
+    sbx = e2b_code_interpreter.Sandbox.create(**opts)
+    rounds = [timed(lambda: sbx.run_code("1 + 1")) for _ in range(cells)]
+    sbx.kill()
+    return made, rounds
 
 
 if __name__ == "__main__":
