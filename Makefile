@@ -27,8 +27,7 @@ deps:
 # enough for them (their pinned versions, from tests/e2b_js/package-lock.json).
 test-deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
-	@if node -e 'const [a, b] = process.versions.node.split(".").map(Number); \
-	    process.exit(a > 20 || (a === 20 && b >= 18) ? 0 : 1)' 2>/dev/null; then \
+	@if node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a * 100 + b >= 2018 ? 0 : 1)' 2>/dev/null; then \
 	  cd tests/e2b_js && npm ci --no-audit --no-fund --cache "$${SPACE_CACHE_DIR:-/var/cache/space}/npm"; \
 	else echo "no Node.js >= 20.18: the tests of E2B's JavaScript SDKs will be skipped"; fi
 

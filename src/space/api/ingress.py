@@ -27,7 +27,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from httpx_ws import AsyncWebSocketSession, HTTPXWSException
 from httpx_ws import WebSocketDisconnect as UpstreamDisconnect
-from starlette.requests import HTTPConnection
+from starlette.requests import ClientDisconnect, HTTPConnection
 
 from space.api.data import target
 from space.api.deps import Svc
@@ -110,6 +110,7 @@ async def _relay(
 ) -> None:
     """The request out and the answer back: its head to `head` (or the APIError that there is
     none), then its body into `chunks`, None at its end (also where it broke off)."""
+    cancelled = False
     try:
         async with connect as ws:
             try:
@@ -137,8 +138,17 @@ async def _relay(
         _fail(head, APIError(502, f"port {port} in the sandbox: {_why(e)}"))
     except (OSError, httpx.HTTPError) as e:  # the worker itself out of reach
         _fail(head, APIError(503, f"the sandbox's worker did not answer: {e}"))
+    except asyncio.CancelledError:  # the client went away: nobody waits for more
+        cancelled = True
+        _fail(head, APIError(502, "the client went away before an answer"))
+        raise
     finally:
-        if head.done():
+        # The answer's end (also where it broke off), once it began. After a cancel its
+        # reader may be gone with the queue full: then only for one still waiting on it.
+        if head.done() and cancelled:
+            with contextlib.suppress(asyncio.QueueFull):
+                chunks.put_nowait(None)
+        elif head.done():
             await chunks.put(None)
 
 
@@ -192,11 +202,14 @@ async def _send_body(
     that is quiet for a while (a long computation) learns at once that nobody waits for it.
     Our side of the connection stays open meanwhile: the request is framed, and servers that
     take a half-close for a hang-up (tornado, Node's by default) would drop it unanswered."""
-    async for chunk in request.stream():
-        if chunk:
-            await _send(ws, conn, h11.Data(data=chunk))
-    await _send(ws, conn, h11.EndOfMessage())
-    while (await request.receive())["type"] != "http.disconnect":
+    try:
+        async for chunk in request.stream():
+            if chunk:
+                await _send(ws, conn, h11.Data(data=chunk))
+        await _send(ws, conn, h11.EndOfMessage())
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except ClientDisconnect:  # gone in the middle of its body
         pass
     gone()
 
