@@ -20,7 +20,8 @@ ANY_PORT = 0  # a grant to every port of its sandbox
 
 @dataclass(frozen=True)
 class Grant:
-    """What a link's token says: the key that made it, the sandbox and port it opens, until."""
+    """What a token says: the key that made it, the sandbox and the port it opens (`ANY_PORT`:
+    every one), until when."""
 
     key_id: str
     sandbox_id: str

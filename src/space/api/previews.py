@@ -40,7 +40,6 @@ router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
 LINK_PARAM = "space_link"
 COOKIE = "space_link"
 PREVIEW = "space.preview"  # in the scope of a request that came to a preview host
-MAX_TOKEN = 1024
 INVALID = "this link is not valid for this preview host, or it expired"
 
 Port = Annotated[int, Path(ge=1, le=65535)]
