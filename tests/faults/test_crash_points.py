@@ -118,6 +118,9 @@ def test_a_worker_killed_while_handing_over_a_member_loses_nothing(
         # The restarted worker listening again and its member ready (a slow restart can cost
         # it: a claim sent to a worker not yet listening drops its member).
         until(lambda: listening(worker), 60)
+        # Shown active too: a restart slower than its heartbeat shows it lost, and the create
+        # is then refused at once (503) rather than claimed.
+        shown_active(platform, platform.worker_id)
         until(lambda: _members(pool_of_one) == 1, 90)
         r = c.post("/v1/sandboxes", params={"wait": "false"}, json={})
         assert r.status_code in (201, 202), r.text  # the claim failed: a create instead
