@@ -33,8 +33,6 @@ from services import platform
 from space.db.store import Store
 from vm_runtime import percentile_table, percentiles
 
-SPEC = Path(space.interpreter.__file__).parent / "space.toml"
-
 
 async def setup(store: Store) -> dict[str, str]:
     tenant = await store.create_tenant(f"bench-e2b-{secrets.token_hex(3)}")
@@ -120,7 +118,7 @@ def interpreter(
     """The code-interpreter template built as `space up` builds it, then its creates (each to
     its first cell) and cells on one sandbox."""
     with space.Space(url, keys["admin"]) as admin:
-        admin.build_template("code-interpreter", SPEC)
+        admin.build_template("code-interpreter", space.interpreter.SPEC)
         for _ in admin.build_log("code-interpreter"):
             pass
     # The first create makes the template's base snapshot (a boot, the kernel started).

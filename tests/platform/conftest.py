@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
 import space.interpreter
 
 from ..stack import Platform
-
-INTERPRETER_SPEC = Path(space.interpreter.__file__).parent / "space.toml"
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +17,8 @@ def code_interpreter(platform: Platform) -> str:
     its image made at set-up (`space image code-interpreter`), its spec from the package."""
     name = "code-interpreter"
     with platform.client(platform.admin_key) as admin:
-        r = admin.post(f"/v1/templates/{name}/builds", json={"spec": INTERPRETER_SPEC.read_text()})
+        spec = space.interpreter.SPEC.read_text()
+        r = admin.post(f"/v1/templates/{name}/builds", json={"spec": spec})
         assert r.status_code == 202, r.text
         with admin.stream("GET", f"/v1/templates/{name}/build/log") as log:
             text = "".join(log.iter_text())

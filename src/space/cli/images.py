@@ -98,8 +98,8 @@ def base_cmd(force: bool) -> None:
 @click.option("--force", is_flag=True, help="Rebuild (and re-run mmdebstrap) even if cached.")
 def code_interpreter_cmd(force: bool) -> None:
     """Build the `code-interpreter` image: `base` with Jupyter's kernel, numpy, matplotlib and
-    SPACE's code interpreter service (`space template build -f` its spec, `space template
-    spec code-interpreter`, makes the template of it; `space up` does so by itself)."""
+    SPACE's code interpreter service. `space up` then makes the template of it (by hand:
+    `space template build -f src/space/interpreter/space.toml`)."""
     _build(code_interpreter.FLAVOR, force)
 
 

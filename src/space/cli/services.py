@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import click
 import httpx
@@ -111,10 +110,9 @@ def _build_code_interpreter(api_url: str, key: str) -> str:
     a template, in seconds, and is a no-op when nothing changed): what to tell the user."""
     from space.client import Space
 
-    spec = Path(interpreter.__file__).parent / "space.toml"
     try:
         with Space(api_url, key) as admin:
-            admin.build_template("code-interpreter", spec)
+            admin.build_template("code-interpreter", interpreter.SPEC)
     except SpaceError as e:
         return f"not built: {e}"
     return "(building: `space template ls`; E2B's code interpreter SDK uses it)"
@@ -273,7 +271,7 @@ def up(port: int, worker_port: int, pool: int, metrics_port: int, worker_metrics
     _wait_healthy(f"{api_url}/healthz")
     click.secho("space up: waiting for the worker", bold=True, err=True)
     _wait_worker(db_url)
-    interpreter = _build_code_interpreter(api_url, key)
+    code_interpreter = _build_code_interpreter(api_url, key)
     click.echo(
         f"""
 SPACE is up.
@@ -285,7 +283,7 @@ SPACE is up.
             http://127.0.0.1:{worker_metrics_port}/metrics (worker: per-sandbox figures)
             with  Authorization: Bearer {metrics_token}
   Warm pool: {pool} base sandboxes kept ready (`space pool set base N` changes it)
-  Templates: base; code-interpreter {interpreter}
+  Templates: base; code-interpreter {code_interpreter}
 
   space sandbox create            # prints a sandbox id
   space exec <id> -- uname -a

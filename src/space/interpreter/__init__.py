@@ -8,4 +8,7 @@ jupyter_client (`space image code-interpreter` puts this package into the image)
 never imports it. Its callers reach it through the API's ingress like any sandbox port.
 """
 
+from pathlib import Path
+
 PORT = 49999
+SPEC = Path(__file__).parent / "space.toml"  # the template's spec (`space template build -f`)

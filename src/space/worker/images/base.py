@@ -83,7 +83,7 @@ BASE = Flavor("base")
 
 @dataclass(frozen=True)
 class BaseTemplate:
-    """The built `base` template image; `size_bytes` is its (sparse) apparent size."""
+    """A built image (`base` or another flavor); `size_bytes` is its (sparse) apparent size."""
 
     rootfs: Path
     size_bytes: int

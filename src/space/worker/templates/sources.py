@@ -111,7 +111,7 @@ async def resolve_source(
     if ref.kind in ("debian", "space"):
         flavor = OWN_IMAGES[ref.location if ref.kind == "space" else base_image.BASE.name]
         tpl = await asyncio.to_thread(base_image.ensure_image, flavor, log)
-        # The key under which `space.worker.images.defaults` imports `base` into the pool.
+        # Its key in the pool (`space.worker.images.defaults` imports `base` under the same).
         key = f"{flavor.name}-{tpl.key}"
         return Source(ref, digest=f"space-{flavor.name}:{tpl.key}", image=tpl.rootfs,
                       image_key=key)  # fmt: skip
