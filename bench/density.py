@@ -1,8 +1,12 @@
 """Density benchmark: how many idle sandboxes one host holds, and what each costs.
 
-With KSM off, then on (SPACE_WORKER_KSM, a fresh platform each, in one run): idle 256 MiB
-sandboxes are created (each answers one exec, then idles) until admission refuses one or
-`--max` run; at 0, 50 and 100 running (and at the end) it measures
+In phases, a fresh platform each, in one run:
+  - anonymous: guest RAM copied out of the base snapshot into each VM, KSM off (the baseline:
+    SPACE_WORKER_MAPPED_MEMORY=0)
+  - mapped: the base snapshot's memory file mapped by every clone (the default), KSM off
+  - mapped+ksm: the same with ksmd merging what clones wrote alike (SPACE_WORKER_KSM=on)
+idle 256 MiB sandboxes are created (each answers one exec, then idles) until admission refuses
+one or `--max` run; at 0, 50 and 100 running (and at the end) it measures
   - PSS per sandbox: the VMM processes' proportional set size, summed over the worker's VMMs
     and divided by their count (merged pages count once in all)
   - idle CPU per sandbox: the VMMs' CPU time over a quiet window, per sandbox, in % of a core
@@ -13,7 +17,8 @@ sandboxes are created (each answers one exec, then idles) until admission refuse
 then how fast a create the platform cannot place is answered (503 and its reason). The empty
 host (0 running) is the baseline of every ratio.
 
-Run as root:  .venv/bin/python bench/density.py [--max 140] [--ksm off|on|both] [--json out.json]
+Run as root:  .venv/bin/python bench/density.py [--max 140] [--phases anonymous,mapped,mapped+ksm]
+                [--json out.json]
 (SPACE_WORKER_MEMORY_MIB=4096 fills the host after a few dozen, to time the refusals.)
 """
 
@@ -45,6 +50,11 @@ POOL = 2
 LEVELS = (0, 50, 100)
 WINDOW_S = 10.0  # the quiet window idle CPU is measured over
 TICK = os.sysconf("SC_CLK_TCK")
+PHASES: dict[str, dict[str, str]] = {
+    "anonymous": {"SPACE_WORKER_MAPPED_MEMORY": "0", "SPACE_WORKER_KSM": "off"},
+    "mapped": {"SPACE_WORKER_MAPPED_MEMORY": "1", "SPACE_WORKER_KSM": "off"},
+    "mapped+ksm": {"SPACE_WORKER_MAPPED_MEMORY": "1", "SPACE_WORKER_KSM": "on"},
+}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -138,7 +148,7 @@ def refusal(p: BenchPlatform, key: str, made: list[str]) -> dict[str, Any]:
 
 def phase(mode: str, most: int) -> dict[str, Any]:
     vms_root = asyncio.run(local_runtime()).pool.root / "workers"
-    with platform(setup, SPACE_WORKER_KSM=mode) as (p, keys):
+    with platform(setup, **PHASES[mode]) as (p, keys):
         key, admin = keys["key"], keys["admin"]
         vms_dir = vms_root / p.worker_id / "vms"
         p.wait_worker(key)
@@ -148,7 +158,7 @@ def phase(mode: str, most: int) -> dict[str, Any]:
         set_pool(p, admin, POOL)
         wait_pool(p, admin, POOL)
         levels = [measure(p, key, admin, probe, vms_dir, 0)]
-        print(f"  ksm {mode}: baseline measured", flush=True)
+        print(f"  {mode}: baseline measured", flush=True)
         made: list[str] = []
         errors: list[str] = []  # creates the API took and the worker refused
         transient: list[str] = []  # 503s that were not for room, asked again
@@ -182,7 +192,7 @@ def phase(mode: str, most: int) -> dict[str, Any]:
                     made += [sid for sid in batch if sid]
                     if None in batch:
                         refused_at = len(made)
-            print(f"  ksm {mode}: {len(made)} idle sandboxes", flush=True)
+            print(f"  {mode}: {len(made)} idle sandboxes", flush=True)
             if len(made) >= level or refused_at is not None:
                 levels.append(measure(p, key, admin, probe, vms_dir, len(made)))
             if refused_at is not None:
@@ -195,7 +205,7 @@ def phase(mode: str, most: int) -> dict[str, Any]:
         with p.client(key) as c:
             for sid in [*made, probe]:
                 c.delete(f"/v1/sandboxes/{sid}", params={"wait": "false"})
-    return {"ksm": mode, "levels": levels, "held": len(made), "refused_at": refused_at,
+    return {"phase": mode, "levels": levels, "held": len(made), "refused_at": refused_at,
             "exec_rtt_every_idle_sandbox": every, "full": full, "worker": workers,
             "refused_by_the_worker": errors, "refused_for_a_while": transient}  # fmt: skip
 
@@ -206,13 +216,13 @@ def _full(detail: str) -> bool:
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = [("ksm", "running", "PSS MiB/sb", "idle CPU %/sb", "KSM saved MiB", "ksmd %",
+    rows = [("phase", "running", "PSS MiB/sb", "idle CPU %/sb", "KSM saved MiB", "ksmd %",
              "exec p50 ms", "hit p50 ms")]  # fmt: skip
     for ph in results["phases"]:
         for lv in ph["levels"]:
             ksmd = lv["ksmd_cpu_pct"]
             rows.append((
-                ph["ksm"], str(lv["running"]), f"{lv['pss_mib_per_sandbox']:.0f}",
+                ph["phase"], str(lv["running"]), f"{lv['pss_mib_per_sandbox']:.0f}",
                 f"{lv['idle_cpu_pct_per_sandbox']:.2f}", f"{lv['ksm_saved_mib']:.0f}",
                 "-" if ksmd is None else f"{ksmd:.1f}",
                 f"{lv['exec_rtt']['p50_ms']:.0f}", f"{lv['hit']['p50_ms']:.0f}",
@@ -226,7 +236,7 @@ def table(results: dict[str, Any]) -> str:
                 f"{full['baseline_read']['p50_ms']:.0f} ms: {full['detail'][:100]})"
                 if full.get("refused") else "never refused")  # fmt: skip
         e = ph["exec_rtt_every_idle_sandbox"]
-        lines.append(f"ksm {ph['ksm']}: held {ph['held']} idle sandboxes, {said}; exec on every "
+        lines.append(f"{ph['phase']}: held {ph['held']} idle sandboxes, {said}; exec on every "
                      f"idle one p50 {e['p50_ms']:.0f} ms p99 {e['p99_ms']:.0f} ms")  # fmt: skip
     return "\n".join(lines)
 
@@ -243,9 +253,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max", type=int, default=140, help="idle sandboxes at most")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--ksm", choices=("off", "on", "both"), default="both")
+    parser.add_argument("--phases", default=",".join(PHASES), help="of " + ", ".join(PHASES))
     args = parser.parse_args()
-    modes = ("off", "on") if args.ksm == "both" else (args.ksm,)
+    modes = args.phases.split(",")
+    if unknown := [m for m in modes if m not in PHASES]:
+        parser.error(f"unknown phases {unknown}: pick from {', '.join(PHASES)}")
     results = {"phases": [phase(mode, args.max) for mode in modes]}
     print(table(results))
     print(json.dumps(results, indent=2, default=str))

@@ -155,6 +155,11 @@ class WorkerSettings:
     ksm: Literal["on", "off", "host"] = "off"
     ksm_pages_to_scan: int = 2000  # pages ksmd scans per wake-up (every ksm_sleep_ms)
     ksm_sleep_ms: int = 20
+    # Guests booted with a balloon that gives back the pages they free (bench/density.py).
+    free_page_reporting: bool = True
+    # Base snapshots keep guest RAM as a file that restores map on demand, clones sharing what
+    # they have not written (they then have no balloon: QEMU would punch holes in that file).
+    mapped_memory: bool = True
     base_snapshots: bool = True
     network: bool = True  # off: VMs have no NIC at all
     net_range: str = ""  # the /16 its sandboxes' host ends come from; "" to pick a free one
@@ -260,6 +265,8 @@ class Settings:
                 ksm=e.choice("SPACE_WORKER_KSM", "off", ("on", "off", "host")),  # type: ignore[arg-type]
                 ksm_pages_to_scan=e.integer("SPACE_WORKER_KSM_PAGES", 2000, low=1),
                 ksm_sleep_ms=e.integer("SPACE_WORKER_KSM_SLEEP_MS", 20, low=1),
+                free_page_reporting=e.flag("SPACE_WORKER_FREE_PAGE_REPORTING", True),
+                mapped_memory=e.flag("SPACE_WORKER_MAPPED_MEMORY", True),
                 base_snapshots=e.flag("SPACE_WORKER_BASE_SNAPSHOTS", True),
                 network=e.flag("SPACE_WORKER_NETWORK", True),
                 net_range=e.text("SPACE_WORKER_NET_RANGE"),

@@ -170,6 +170,7 @@ def make_config(images: Images, vm_id: str = "vm-a", **changes: Any) -> VMConfig
         "vcpus": 2,
         "memory_mib": 256,
         "agent_token": "tok-123",
+        "free_page_reporting": True,  # as the driver boots it, so restores match
     }
     return VMConfig(**(fields | changes))
 
@@ -482,6 +483,7 @@ BOOT_CALLS = [
     ("PUT", "/drives/rootfs"),
     ("PUT", "/vsock"),
     ("PUT", "/entropy"),
+    ("PUT", "/balloon"),
     ("PUT", "/actions"),
 ]
 
@@ -514,6 +516,12 @@ async def test_boot_sends_the_spec_requests_in_order(
             "is_read_only": False,
         }
         assert fake.body(pid, "PUT", "/vsock") == {"guest_cid": 3, "uds_path": "vsock.sock"}
+        # A balloon that is never inflated: it only takes back the pages the guest frees.
+        assert fake.body(pid, "PUT", "/balloon") == {
+            "amount_mib": 0,
+            "deflate_on_oom": False,
+            "free_page_reporting": True,
+        }
         assert fake.body(pid, "PUT", "/actions") == {"action_type": "InstanceStart"}
         logger = fake.body(pid, "PUT", "/logger")
         assert logger["log_path"] == "firecracker.log"
@@ -714,6 +722,7 @@ async def test_restore_refuses_a_different_machine(
         ({"vcpus": 4}, "vcpus 4 != 2"),
         ({"memory_mib": 512}, "memory_mib 512 != 256"),
         ({"tap_device": "tap-x"}, "a network device is added"),
+        ({"free_page_reporting": False}, "free_page_reporting False != True"),
         ({"rootfs": tmp_path / "missing.img"}, "does not exist"),
     ]
     for changes, complaint in refusals:

@@ -58,15 +58,22 @@ async def test_pause_resume_keeps_processes_running(machine: Machine) -> None:
     assert await counter_advances(machine)
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["stream", "mapped"])
 async def test_snapshot_restore_keeps_processes_and_files_and_renews_identity(
-    runtime: LocalRuntime, tmp_path: Path
+    runtime: LocalRuntime, tmp_path: Path, mapped: bool
 ) -> None:
-    async with await Machine.boot(runtime.driver, runtime.pool, runtime.images) as origin:
+    """Either kind of snapshot: QEMU's stream of the guest's memory, or (a base snapshot's)
+    the memory as a file that restores map."""
+    origin = await Machine.boot(
+        runtime.driver, runtime.pool, runtime.images, snapshot_source=mapped
+    )
+    async with origin:
         pid = int((await origin.agent.run(COUNTER)).stdout)
         await origin.agent.write_file("/root/before-snapshot", b"kept")
         assert await counter_advances(origin)
         snap = await origin.snapshot(runtime.pool.snapshots / f"test-{origin.id}")
         assert snap.took_s > 0 and (snap.path / snap.files["state"]).stat().st_size > 0
+        assert ("memory" in snap.files) is mapped
     try:
         # A snapshot outlives its VM: restore it from the directory alone.
         loaded = SnapshotInfo.load(snap.path)

@@ -38,10 +38,15 @@ async def local_runtime(
 
         # Firecracker needs KVM; it opens its tap by name, so it runs without a NIC unless
         # a jailer puts it in the sandbox's network namespace.
-        driver = FirecrackerDriver()
+        driver = FirecrackerDriver(free_page_reporting=s.free_page_reporting)
     else:
         accel = await asyncio.to_thread(
             choose_accel, kernel.vmlinux, kernel.initrd, kernel.key, s.accel
         )
-        driver = QemuDriver(accel=accel, guest_aslr=s.guest_aslr)
+        driver = QemuDriver(
+            accel=accel,
+            guest_aslr=s.guest_aslr,
+            free_page_reporting=s.free_page_reporting,
+            mapped_memory=s.mapped_memory,
+        )
     return LocalRuntime(pool=pool, images=images, driver=driver)

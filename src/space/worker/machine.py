@@ -35,6 +35,7 @@ from space.worker.vmm.base import (
 log = logging.getLogger(__name__)
 
 DISK = "disk.img"
+MEMORY = "memory.bin"  # a snapshot source's RAM, where the driver maps it (Driver.mapped_memory)
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,13 @@ class Machine:
         drives: tuple[Drive, ...] = (),
         tap_fd: int | None = None,
         guest_mac: str | None = None,
+        snapshot_source: bool = False,
     ) -> Machine:
         """Cold boot: clone the template, start the VMM, wait for the agent to answer.
 
-        The run directory is `vms_dir / vm_id` (`vms_dir` defaults to the pool's `vms`).
+        The run directory is `vms_dir / vm_id` (`vms_dir` defaults to the pool's `vms`). A
+        `snapshot_source` is booted to be snapshotted and restored many times (a base
+        snapshot): its RAM is a file where the driver can map one.
         """
         t0 = time.perf_counter()
         vm_id = vm_id or new_vm_id()
@@ -111,6 +115,7 @@ class Machine:
                 driver, images, run_dir, vm_id=vm_id, vcpus=vcpus, memory_mib=memory_mib,
                 hostname=hostname, boot_timeout=boot_timeout, drives=drives, tap_fd=tap_fd,
                 guest_mac=guest_mac, t0=t0,
+                memory_file=run_dir / MEMORY if snapshot_source else None,
             )  # fmt: skip
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -163,6 +168,7 @@ class Machine:
         guest_mac: str | None,
         t0: float,
         keep_on_failure: bool = False,
+        memory_file: Path | None = None,
     ) -> Machine:
         config = VMConfig(
             vm_id=vm_id,
@@ -177,6 +183,8 @@ class Machine:
             tap_fd=tap_fd,
             nic=tap_fd is not None,
             guest_mac=guest_mac,
+            memory_file=memory_file,
+            memory_shared=memory_file is not None,
         )
         t1 = time.perf_counter()
         vm = await driver.boot(config, run_dir)

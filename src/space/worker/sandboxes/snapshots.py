@@ -98,7 +98,7 @@ class BaseSnapshots:
         """The base snapshot for this shape, and whether it had to be built just now."""
         key = f"{template}-{vcpus}-{memory_mib}"
         path = self.layout.base / key
-        made_from = _images_record(images, nic=self.ca_pem is not None)
+        made_from = _images_record(images, nic=self.ca_pem is not None, driver=self.driver)
         async with self._locks.hold(key):
             with contextlib.suppress(OSError, ValueError, VMMError):
                 if json.loads((path / IMAGES_FILE).read_text()) == made_from:
@@ -112,7 +112,7 @@ class BaseSnapshots:
                     self.driver, self.pool, images, vm_id=build_id, vcpus=vcpus,
                     memory_mib=memory_mib, vms_dir=self.layout.building,
                     drives=await self.volumes.drives(()), tap_fd=tap_fd,
-                    guest_mac=GUEST_MAC if tap_fd is not None else None,
+                    guest_mac=GUEST_MAC if tap_fd is not None else None, snapshot_source=True,
                 )  # fmt: skip
                 tmp = self.layout.base / f".{key}.{uuid.uuid4().hex[:8]}"
                 try:
@@ -133,9 +133,11 @@ class BaseSnapshots:
             return SnapshotInfo.load(path), True
 
 
-def _images_record(images: BootImages, nic: bool) -> dict[str, Any]:
+def _images_record(images: BootImages, nic: bool, driver: Driver) -> dict[str, Any]:
     record: dict[str, Any] = {k: str(v) if v is not None else None
                               for k, v in asdict(images).items()}  # fmt: skip
     record["volume_slots"] = VOLUME_SLOTS  # the devices a restore must match
     record["nic"] = nic
+    record["free_page_reporting"] = driver.free_page_reporting
+    record["mapped_memory"] = driver.mapped_memory
     return record

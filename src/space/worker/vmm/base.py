@@ -83,6 +83,14 @@ class VMConfig:
     # process's, good for one launch, and never saved; `nic` says the machine has the device.
     tap_fd: int | None = field(default=None, compare=False)
     nic: bool = False
+    # A virtio-balloon that only reports the pages the guest frees, so the host takes them
+    # back (free page reporting); the driver sets it at boot, snapshots keep what they had.
+    free_page_reporting: bool = False
+    # Guest RAM in this file rather than anonymous memory. Shared, the VM writes into it and a
+    # snapshot keeps the file as it is (base snapshots); private, the VM reads it on demand and
+    # keeps what it writes to itself (restores of such snapshots).
+    memory_file: Path | None = None
+    memory_shared: bool = False
 
     @property
     def has_nic(self) -> bool:
@@ -105,7 +113,7 @@ class VMConfig:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("kernel", "rootfs", "initrd"):
+        for key in ("kernel", "rootfs", "initrd", "memory_file"):
             if data[key] is not None:
                 data[key] = str(data[key])
         data["drives"] = [d.to_json() for d in self.drives]
@@ -115,7 +123,7 @@ class VMConfig:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> VMConfig:
         data = dict(data)
-        for key in ("kernel", "rootfs", "initrd"):
+        for key in ("kernel", "rootfs", "initrd", "memory_file"):
             if data.get(key) is not None:
                 data[key] = Path(data[key])
         data["drives"] = tuple(Drive.from_json(d) for d in data.get("drives", ()))
@@ -266,6 +274,11 @@ class Driver(abc.ABC):
     """Makes VMs with one kind of hypervisor."""
 
     name: str
+    # Give guests booted from now on the free-page-reporting balloon (VMConfig.free_page_reporting).
+    free_page_reporting: bool = False
+    # Boot snapshot sources with their RAM in a file, which their snapshots keep and restores
+    # map (VMConfig.memory_file); otherwise such a config's file is ignored.
+    mapped_memory: bool = False
 
     @abc.abstractmethod
     async def boot(self, config: VMConfig, run_dir: Path) -> VM:

@@ -42,6 +42,11 @@ from space.worker.vmm.process import VMMProcess
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.bin"
+MEMORY_FILE = "memory.bin"  # guest RAM as a file: a mapped VM's own, or a snapshot's
+# The id QEMU gives microvm's RAM by itself: a backend of ours under it keeps migration streams
+# of mapped and anonymous VMs interchangeable.
+RAM_ID = "microvm.ram"
+IGNORE_SHARED = "x-ignore-shared"
 QMP_SOCKET = "qmp.sock"
 AGENT_SOCKET = "agent.sock"
 CONSOLE_LOG = "console.log"
@@ -235,8 +240,10 @@ class QemuVM(VM):
         await self._execute("migrate-set-parameters", params)
         # Live, QEMU slows a guest whose memory changes faster than it is copied (rather than
         # the pause after LIVE_PRECOPY_S copying all of it while the guest stands still).
-        converge = [{"capability": "auto-converge", "state": live}]
-        await self._execute("migrate-set-capabilities", {"capabilities": converge})
+        # A mapped VM's RAM is its file: the stream leaves it out and the file is cloned.
+        mapped = self.config.memory_file is not None and self.config.memory_shared
+        capabilities = _capabilities(**{"auto-converge": live, IGNORE_SHARED: mapped})
+        await self._execute("migrate-set-capabilities", capabilities)
         await self._execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(state))}"})
         deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
         force_at = time.monotonic() + LIVE_PRECOPY_S
@@ -263,6 +270,11 @@ class QemuVM(VM):
         # Paused and migrated, the disk is quiescent: every completed write is in the host's page
         # cache, which the clone reads through.
         await asyncio.to_thread(clone_file, self.config.rootfs, dest / SNAPSHOT_DISK)
+        files = {"state": STATE_FILE, "disk": SNAPSHOT_DISK}
+        if mapped:
+            assert self.config.memory_file is not None
+            await asyncio.to_thread(clone_file, self.config.memory_file, dest / MEMORY_FILE)
+            files["memory"] = MEMORY_FILE
         now = time.perf_counter()
         if stopped_at is not None:
             downtime = now - stopped_at
@@ -272,7 +284,7 @@ class QemuVM(VM):
             path=dest,
             driver="qemu",
             config=self.config,
-            files={"state": STATE_FILE, "disk": SNAPSHOT_DISK},
+            files=files,
             took_s=now - started,
             downtime_s=downtime,
         )
@@ -334,13 +346,20 @@ class QemuDriver(Driver):
     name = "qemu"
 
     def __init__(
-        self, binary: str = "qemu-system-x86_64", accel: str = "tcg", guest_aslr: bool = False
+        self,
+        binary: str = "qemu-system-x86_64",
+        accel: str = "tcg",
+        guest_aslr: bool = False,
+        free_page_reporting: bool = True,
+        mapped_memory: bool = True,
     ) -> None:
         if accel not in ("tcg", "kvm"):
             raise ValueError(f"accel must be 'tcg' or 'kvm', not {accel!r}")
         self.binary = binary
         self.accel = accel
         self.guest_aslr = guest_aslr
+        self.free_page_reporting = free_page_reporting
+        self.mapped_memory = mapped_memory
 
     def _cmdline(self, config: VMConfig) -> str:
         cmdline = config.kernel_cmdline("ttyS0")
@@ -371,6 +390,7 @@ class QemuDriver(Driver):
             "-M", "microvm,isa-serial=on,rtc=on",
             *accel,
             "-m", str(config.memory_mib),
+            *_memory_backend(config),
             "-smp", str(config.vcpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(config.kernel),
@@ -390,6 +410,11 @@ class QemuDriver(Driver):
         ]  # fmt: skip
         if config.initrd is not None:
             argv += ["-initrd", str(config.initrd)]
+        if config.free_page_reporting:
+            # Never inflated: the guest only hands back the pages it frees. QEMU 7.2 discards
+            # such pages of file-backed RAM by punching holes in the file, so a mapped VM has
+            # none (the driver sees to it): its snapshot's file is shared by every clone.
+            argv += ["-device", "virtio-balloon-device,free-page-reporting=on"]
         for i, drive in enumerate(config.drives):
             ro = ",readonly=on" if drive.read_only else ""
             ro += ",file.locking=off" if drive.placeholder else ""
@@ -462,6 +487,11 @@ class QemuDriver(Driver):
         return await vm.query_status(timeout)
 
     async def boot(self, config: VMConfig, run_dir: Path) -> VM:
+        if not self.mapped_memory:
+            config = config.with_changes(memory_file=None, memory_shared=False)
+        config = config.with_changes(
+            free_page_reporting=self.free_page_reporting and config.memory_file is None
+        )
         vm = await self._launch(config, run_dir, [])
         vm.mark_running()
         return vm
@@ -475,13 +505,25 @@ class QemuDriver(Driver):
         state = snapshot.path / snapshot.files["state"]
         if not state.exists():
             raise VMMError(f"snapshot {snapshot.path} has no {snapshot.files['state']}")
-        # QEMU reads the state straight from an inherited descriptor: no `cat`, no pipe.
-        vm = await self._launch(
-            config, run_dir, ["-incoming", f"fd:{STATE_FD}"], read_files={STATE_FD: state}
+        memory = snapshot.files.get("memory")
+        # A snapshot's memory file is mapped privately: the guest reads its pages as it touches
+        # them, clones share those they have not written, and what a clone writes is its own.
+        config = config.with_changes(
+            memory_file=snapshot.path / memory if memory else None, memory_shared=False
         )
+        if config.memory_file is not None and not config.memory_file.is_file():
+            raise VMMError(f"snapshot {snapshot.path} has no {memory}")
+        # QEMU reads the state straight from an inherited descriptor: no `cat`, no pipe. A
+        # stream that leaves RAM out is read only once the capability that says so is set.
+        incoming = ["-incoming", "defer" if memory else f"fd:{STATE_FD}"]
+        vm = await self._launch(config, run_dir, incoming, read_files={STATE_FD: state})
         # The incoming migration runs before QEMU starts the vCPUs. The snapshot was taken of a
         # paused VM, so once loaded it is paused too, and we start it.
         try:
+            if memory:
+                ignore_shared = _capabilities(**{IGNORE_SHARED: True})
+                await vm._execute("migrate-set-capabilities", ignore_shared)
+                await vm._execute("migrate-incoming", {"uri": f"fd:{STATE_FD}"})
             while True:
                 status = await vm.query_status(LOAD_TIMEOUT_S)
                 if status == "running":
@@ -503,6 +545,19 @@ class QemuDriver(Driver):
         return vm
 
 
+def _memory_backend(config: VMConfig) -> list[str]:
+    if config.memory_file is None:
+        return []
+    share = "on" if config.memory_shared else "off"
+    backend = (f"memory-backend-file,id={RAM_ID},size={config.memory_mib}M,"
+               f"mem-path={_qemu_path(config.memory_file)},share={share}")  # fmt: skip
+    return ["-object", backend, "-machine", f"memory-backend={RAM_ID}"]
+
+
+def _capabilities(**states: bool) -> dict[str, Any]:
+    return {"capabilities": [{"capability": k, "state": v} for k, v in states.items()]}
+
+
 def _check_same_machine(saved: VMConfig, new: VMConfig) -> None:
     for field in ("vcpus", "memory_mib", "kernel", "initrd"):
         if getattr(saved, field) != getattr(new, field):
@@ -512,6 +567,8 @@ def _check_same_machine(saved: VMConfig, new: VMConfig) -> None:
             )
     if saved.has_nic != new.has_nic:
         raise VMMError("cannot restore: the snapshot's VM and this one differ in network devices")
+    if saved.free_page_reporting != new.free_page_reporting:
+        raise VMMError("cannot restore: the snapshot's VM and this one differ in balloon devices")
     if len(saved.drives) != len(new.drives):
         raise VMMError(
             f"cannot restore: the snapshot's VM has {len(saved.drives)} extra drives, this one "

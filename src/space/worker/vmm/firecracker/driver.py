@@ -112,8 +112,10 @@ class FirecrackerDriver(Driver):
         api_timeout: float = 30.0,
         start_timeout: float = 10.0,
         vsock_timeout: float = 5.0,
+        free_page_reporting: bool = True,
     ) -> None:
         self.firecracker_bin = firecracker_bin
+        self.free_page_reporting = free_page_reporting
         self.jailer = jailer
         self.firecracker_args = tuple(firecracker_args)
         self.log_level: LogLevel = log_level
@@ -122,6 +124,10 @@ class FirecrackerDriver(Driver):
         self.vsock_timeout = vsock_timeout
 
     async def boot(self, config: VMConfig, run_dir: Path) -> FirecrackerVM:
+        # Firecracker's snapshots always keep memory as a file, which its restores map.
+        config = config.with_changes(
+            free_page_reporting=self.free_page_reporting, memory_file=None, memory_shared=False
+        )
         _check_files(config)
         if not 1 <= config.vcpus <= MAX_VCPUS:
             raise VMMError(f"Firecracker supports 1 to {MAX_VCPUS} vCPUs, not {config.vcpus}")
@@ -172,6 +178,11 @@ class FirecrackerDriver(Driver):
                 await client.put_network_interface(iface)
             await client.put_vsock({"guest_cid": GUEST_CID, "uds_path": VSOCK_SOCKET})
             await client.put_entropy()
+            if config.free_page_reporting:
+                # Never inflated: only the pages the guest frees go back to the host.
+                await client.put_balloon(
+                    {"amount_mib": 0, "deflate_on_oom": False, "free_page_reporting": True}
+                )
             if vm._serial_to_file:
                 await client.put_serial({"serial_out_path": CONSOLE_LOG})
             await client.instance_start()
@@ -744,7 +755,7 @@ def _check_restorable(snapshot: SnapshotInfo, config: VMConfig) -> None:
     old = snapshot.config
     mismatches = [
         f"{field} {getattr(config, field)!r} != {getattr(old, field)!r}"
-        for field in ("vcpus", "memory_mib", "guest_mac")
+        for field in ("vcpus", "memory_mib", "guest_mac", "free_page_reporting")
         if getattr(config, field) != getattr(old, field)
     ]
     if (config.tap_device is None) != (old.tap_device is None):
