@@ -4,14 +4,21 @@ resumes it on its next use with its processes alive."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import re
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 
 import space
+from space.db.store import Store, connect
 
 from ..stack import Platform
 from .helpers import counter_runs, create, run, start_counter, wait_state
@@ -67,6 +74,75 @@ def test_a_full_platform_answers_at_once_with_its_reason(platform: Platform) -> 
         assert r.status_code == 422 and "room_wait_s" in r.text, r.text
         after = {sb["id"] for sb in c.get("/v1/sandboxes", params={"limit": 500}).json()["items"]}
         assert after == before  # nothing was left behind waiting
+
+
+WAITING = sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+
+
+@contextmanager
+def creates_held_at_insert(database_url: str, waiting: int) -> Iterator[None]:
+    """Hold every tenant's row locked, as an insert of a sandbox does, until `waiting` queries
+    wait for it (or 30 s passed); then let them all go at once. Creates held there have passed
+    the API's admission, each seeing room that the others then take."""
+    locked = threading.Event()
+
+    async def hold() -> None:
+        store = Store(connect(database_url, pool_size=2))
+        try:
+            async with store.engine.begin() as c, store.engine.connect() as look:
+                await c.execute(sa.text("SELECT id FROM tenants FOR UPDATE"))
+                locked.set()
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    if (await look.execute(WAITING)).scalar_one() >= waiting:
+                        break
+                    await asyncio.sleep(0.05)
+        finally:
+            await store.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        holder = ex.submit(asyncio.run, hold())
+        assert locked.wait(10)
+        yield
+        holder.result(timeout=40)
+
+
+def test_a_create_that_placement_cannot_fit_is_given_up_at_once(platform: Platform) -> None:
+    """The API's admission and placement disagree when creates race for the last room: the
+    ones placement cannot fit are given up within seconds (503 and why), never left hanging,
+    and hold nothing afterwards."""
+    info = worker_info(platform)
+    room = info["memory_mib"] - info["memory_used_mib"]
+    size = min(16384, room * 3 // 5)  # one fits, two do not
+    assert size >= 1024, info
+    body = {"memory_mib": size, "metadata": {"race": "room"}}
+    with platform.client() as c, concurrent.futures.ThreadPoolExecutor(3) as ex:
+        with creates_held_at_insert(platform.database_url, waiting=3):
+            answers = [ex.submit(timed, c, body) for _ in range(3)]
+        released = time.monotonic()
+        replies = [a.result() for a in answers]
+        made = [r.json()["id"] for r, _ in replies if r.status_code == 201]
+        try:
+            refused = [(r, done - released) for r, done in replies if r.status_code == 503]
+            assert len(made) == 1 and len(refused) == 2, [
+                (r.status_code, r.text) for r, _ in replies
+            ]
+            for r, took in refused:
+                assert int(r.headers["Retry-After"]) >= 1
+                assert "no worker can take this sandbox now: waiting for" in r.json()["detail"]
+                # Given up after the API's grace (5 s), not the 300 s a create may wait.
+                assert took < 15, took
+            listed = c.get("/v1/sandboxes", params={"metadata.race": "room"}).json()["items"]
+            left = {sb["id"]: sb["state"] for sb in listed if sb["id"] not in made}
+            assert list(left.values()) == ["deleted"] * 2, f"given-up creates were left: {left}"
+        finally:
+            for sid in made:
+                c.delete(f"/v1/sandboxes/{sid}")
+
+
+def timed(c: httpx.Client, body: dict[str, Any]) -> tuple[httpx.Response, float]:
+    reply = c.post("/v1/sandboxes", json=body)
+    return reply, time.monotonic()
 
 
 def test_the_worker_reports_what_ksm_merges(platform: Platform) -> None:
