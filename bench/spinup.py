@@ -3,13 +3,15 @@
   - warm-pool hit: the template's pool has ready members (the bench waits, untimed, for the
     pool to be full again between creates, so each create is a hit that no refill competes
     with; the bursts below show creates and refills together)
-  - pool miss: no pool, so the create restores the template's base snapshot
+  - pool miss: no pool, so the create restores the template's base snapshot, whose memory
+    file the restore maps (the default); and, as the baseline, the same with the guest's
+    memory copied out of QEMU's stream first (SPACE_WORKER_MAPPED_MEMORY=0)
   - cold boot: a worker with base snapshots turned off (SPACE_WORKER_BASE_SNAPSHOTS=0) boots
     every sandbox
 For each: the create call until it answers with a running sandbox, and create until the first
 command's answer; then creates per second with 8 concurrent clients (create, first exec,
-delete), with and without a pool. All phases run in one run, on one platform: embedded
-PostgreSQL, one worker, controller and API as separate processes.
+delete), with and without a pool (and without one on copied memory). All phases run in one run,
+on one platform: embedded PostgreSQL, one worker, controller and API as separate processes.
 
 Run as root:  .venv/bin/python bench/spinup.py [--creates 200] [--json out.json]
 """
@@ -156,6 +158,14 @@ def main() -> None:
         wait_pool(p, admin, 0)
 
         p.stop("worker")
+        p.start_worker(SPACE_WORKER_MAPPED_MEMORY="0")
+        p.wait_worker(key)
+        with p.client(key) as c:  # a base snapshot of copied memory: not part of any figure
+            create_and_exec(c)
+        runs["miss_copied"] = sequential(p, key, args.creates)
+        results["burst_no_pool_copied"] = burst(p, key, args.burst)
+
+        p.stop("worker")
         p.start_worker(SPACE_WORKER_BASE_SNAPSHOTS="0")
         p.wait_worker(key)
         runs["cold"] = sequential(p, key, args.cold if args.cold is not None else args.creates)
@@ -165,7 +175,7 @@ def main() -> None:
         paths[name] = dict(run.paths)
     results["paths"] = paths
     lines = percentile_table(results)
-    for name in ("burst_no_pool", "burst_pool"):
+    for name in ("burst_no_pool", "burst_no_pool_copied", "burst_pool"):
         b = results[name]
         lines.append(
             f"{name}: {b['creates']} creates by {b['clients']} clients: "

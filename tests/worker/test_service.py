@@ -27,6 +27,7 @@ from httpx_ws import WebSocketUpgradeError, aconnect_ws
 from space.worker.api.server import serve
 from space.worker.local import LocalRuntime
 from space.worker.sandboxes import VMManager, VMManagerError
+from space.worker.vmm.base import SnapshotInfo
 from tests.vm.conftest import vmm_pids
 from tests.worker.harness import free_port, manager
 
@@ -203,6 +204,12 @@ async def test_create_restores_the_base_snapshot_and_is_idempotent(worker: Worke
     assert second["took_ms"] * 5 < cold.json()["took_ms"], (second, cold.json())
     assert elapsed < 3, elapsed
     assert await worker.run("second", "hostname") == "second-host\n"
+    # The restore maps the base snapshot's memory file, which every clone shares.
+    base = worker.manager.layout.base / "base-1-256"
+    assert SnapshotInfo.load(base).files["memory"] == "memory.bin"
+    running = json.loads((worker.manager.layout.vms / "second" / "vm.json").read_text())
+    assert running["config"]["memory_file"] == str(base / "memory.bin")
+    assert not running["config"]["memory_shared"] and not running["config"]["free_page_reporting"]
     again = await worker.http.put("/vms/second", json={"hostname": "second-host"})
     assert again.json() == second
     health = (await worker.http.get("/health")).json()
