@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from services import BenchPlatform, platform
+from services import UNLIMITED, BenchPlatform, platform
 from space.worker import ksm
 from space.worker.local import local_runtime
 from space.worker.sandboxes.usage import pss_bytes
@@ -255,15 +255,8 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# A hundred sandboxes and more for one tenant: past the deployment's default quotas.
-# Nor is it a test of the rate limit: its polls and execs may go as fast as they can.
-QUOTAS = {"SPACE_QUOTA_SANDBOXES": "10000", "SPACE_QUOTA_VCPUS": "10000",
-          "SPACE_QUOTA_MEMORY_MIB": "100000000", "SPACE_QUOTA_DISK_MIB": "1000000000",
-          "SPACE_RATE_LIMIT": "100000", "SPACE_RATE_BURST": "100000"}  # fmt: skip
-
-
 def main() -> None:
-    os.environ.update(QUOTAS)  # the platform's services inherit them
+    os.environ.update(UNLIMITED)  # the platform's services inherit them
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max", type=int, default=140, help="idle sandboxes at most")
     parser.add_argument("--json", type=Path)

@@ -80,6 +80,13 @@ class BenchPlatform:
                 time.sleep(0.5)
 
 
+# For benches that are no test of quotas or the rate limit: a hundred sandboxes and more for one
+# tenant, and polls and execs as fast as they go. Set in os.environ: the services inherit it.
+UNLIMITED = {"SPACE_QUOTA_SANDBOXES": "10000", "SPACE_QUOTA_VCPUS": "10000",
+             "SPACE_QUOTA_MEMORY_MIB": "100000000", "SPACE_QUOTA_DISK_MIB": "1000000000",
+             "SPACE_RATE_LIMIT": "100000", "SPACE_RATE_BURST": "100000"}  # fmt: skip
+
+
 @contextmanager
 def platform(
     setup: Callable[[Store], Awaitable[dict[str, str]]], **worker_env: str
