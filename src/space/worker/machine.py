@@ -22,6 +22,7 @@ from space.worker.agent_client import AgentClient, AgentConnectionLost, AgentErr
 from space.worker.storage.pool import Pool
 from space.worker.storage.reflink import clone_file
 from space.worker.vmm.base import (
+    MEMORY_FILE,
     VM,
     Drive,
     Driver,
@@ -35,7 +36,6 @@ from space.worker.vmm.base import (
 log = logging.getLogger(__name__)
 
 DISK = "disk.img"
-MEMORY = "memory.bin"  # a snapshot source's RAM, where the driver maps it (Driver.mapped_memory)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Machine:
                 driver, images, run_dir, vm_id=vm_id, vcpus=vcpus, memory_mib=memory_mib,
                 hostname=hostname, boot_timeout=boot_timeout, drives=drives, tap_fd=tap_fd,
                 guest_mac=guest_mac, t0=t0,
-                memory_file=run_dir / MEMORY if snapshot_source else None,
+                memory_file=run_dir / MEMORY_FILE if snapshot_source else None,
             )  # fmt: skip
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -52,9 +52,6 @@ MODULES: tuple[str, ...] = (
     "ext4",
 )
 
-# Free page reporting's smallest block, as a power of two of 4 KiB pages (bench/density.py).
-REPORTING_ORDER = 0
-
 # Measured under TCG here: the kernel unpacks the 2.7 MB plain cpio in ~0.08 s of guest time and
 # the 1.2 MB gzip one in ~0.17 s; QEMU loading the extra 1.5 MB costs nothing measurable.
 INITRD_COMPRESSION: Literal["none", "gzip"] = "none"
@@ -105,11 +102,6 @@ mount -t devtmpfs devtmpfs /dev || fail "cannot mount devtmpfs on /dev"
 for m in @MODULES@; do
     insmod "/lib/modules/$m.ko" || fail "cannot load kernel module $m"
 done
-
-# With a free-page-reporting balloon the guest gives the host back freed blocks of at least
-# 2^order pages. Linux 6.1 sets the order to 9 (2 MiB) when the balloon registers, which leaves
-# the freed pages of a fragmented guest with the host: report from @REPORTING_ORDER@ pages up.
-echo @REPORTING_ORDER@ > /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null
 
 root=/dev/vda
 rootfstype=ext4
@@ -406,9 +398,7 @@ def render_init(load_order: Sequence[str]) -> str:
     for m in load_order:
         if not _MODULE_NAME.match(m):
             raise ImageBuildError(f"refusing odd module name {m!r} in /init")
-    return INIT_TEMPLATE.replace("@MODULES@", " ".join(load_order)).replace(
-        "@REPORTING_ORDER@", str(REPORTING_ORDER)
-    )
+    return INIT_TEMPLATE.replace("@MODULES@", " ".join(load_order))
 
 
 def _initramfs_entries(
@@ -478,7 +468,6 @@ def ensure_kernel(
             "modules": list(MODULES),
             "applets": list(BUSYBOX_APPLETS),
             "init": INIT_TEMPLATE,
-            "reporting_order": REPORTING_ORDER,
             "launcher": AGENT_LAUNCHER,
             "compression": INITRD_COMPRESSION,
             "agent": {rel: hashlib.sha256(data).hexdigest() for rel, data in agent.items()},

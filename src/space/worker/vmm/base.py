@@ -19,6 +19,8 @@ from typing import Any
 
 SNAPSHOT_MANIFEST = "snapshot.json"
 SNAPSHOT_DISK = "disk.img"
+# Guest RAM as a file: a snapshot source's own in its run directory, then its snapshot's.
+MEMORY_FILE = "memory.bin"
 
 
 class VMMError(Exception):

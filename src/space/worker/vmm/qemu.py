@@ -26,6 +26,7 @@ from qemu.qmp import ConnectError, QMPClient
 from space.guest.protocol import AGENT_PORT_NAME
 from space.worker.storage.reflink import clone_file
 from space.worker.vmm.base import (
+    MEMORY_FILE,
     SNAPSHOT_DISK,
     VM,
     Driver,
@@ -42,7 +43,6 @@ from space.worker.vmm.process import VMMProcess
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.bin"
-MEMORY_FILE = "memory.bin"  # guest RAM as a file: a mapped VM's own, or a snapshot's
 # The id QEMU gives microvm's RAM by itself: a backend of ours under it keeps migration streams
 # of mapped and anonymous VMs interchangeable.
 RAM_ID = "microvm.ram"
@@ -283,7 +283,8 @@ class QemuVM(VM):
         info = SnapshotInfo(
             path=dest,
             driver="qemu",
-            config=self.config,
+            # How the VM's RAM was backed is not the snapshot's: a restore maps `files`.
+            config=self.config.with_changes(memory_file=None, memory_shared=False),
             files=files,
             took_s=now - started,
             downtime_s=downtime,
@@ -411,9 +412,8 @@ class QemuDriver(Driver):
         if config.initrd is not None:
             argv += ["-initrd", str(config.initrd)]
         if config.free_page_reporting:
-            # Never inflated: the guest only hands back the pages it frees. QEMU 7.2 discards
-            # such pages of file-backed RAM by punching holes in the file, so a mapped VM has
-            # none (the driver sees to it): its snapshot's file is shared by every clone.
+            # Never inflated: the guest only hands back the pages it frees (never with guest
+            # RAM in a file: `_memory_backend` says why).
             argv += ["-device", "virtio-balloon-device,free-page-reporting=on"]
         for i, drive in enumerate(config.drives):
             ro = ",readonly=on" if drive.read_only else ""
@@ -548,6 +548,10 @@ class QemuDriver(Driver):
 def _memory_backend(config: VMConfig) -> list[str]:
     if config.memory_file is None:
         return []
+    if config.free_page_reporting:
+        # QEMU 7.2 discards a freed page of file-backed RAM by punching a hole in the file: in
+        # a snapshot's file that every clone maps, that would zero their pages too.
+        raise VMMError(f"VM {config.vm_id}: guest RAM in a file cannot have a reporting balloon")
     share = "on" if config.memory_shared else "off"
     backend = (f"memory-backend-file,id={RAM_ID},size={config.memory_mib}M,"
                f"mem-path={_qemu_path(config.memory_file)},share={share}")  # fmt: skip
