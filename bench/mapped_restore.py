@@ -2,18 +2,21 @@
 
 A VM of 512 MiB that has touched 200 MiB (a process holding it) is snapshotted and restored
 4 at a time (as a fork into 4 would), three ways, in the same run:
-  - baseline, as the worker does today: anonymous guest RAM; the snapshot is QEMU's migration
-    stream (every non-zero page); each restore reads all of it before the guest runs
-  - mapped, private: the source VM's RAM is a file (`memory-backend-file,share=on`); with the
-    `x-ignore-shared` migration capability the stream holds only device state, and the memory
-    file is reflinked into the snapshot; each restore maps that one file privately
+  - baseline, as the worker does for checkpoints, suspends and forks: anonymous guest RAM; the
+    snapshot is QEMU's migration stream (every non-zero page); each restore reads all of it
+    before the guest runs
+  - mapped, private, as the worker does for base snapshots: the source VM's RAM is a file
+    (`memory-backend-file,share=on`); with the `x-ignore-shared` migration capability the
+    stream holds only device state, and the memory file is reflinked into the snapshot; each
+    restore maps that one file privately
     (`share=off`): pages are read when the guest touches them, clones share the page cache of
     those they have not written, and writes stay in the clone's own anonymous memory
   - mapped, shared: each restore gets its own reflink of the memory file, mapped shared (so it
     could be snapshotted the same way again); no page cache is shared between clones
 
 Each restore is timed until the guest agent answered with a new identity (Machine.restore);
-PSS is read from /proc for the idle clones. Not wired into the worker (see the README).
+PSS is read from /proc for the idle clones. The worker now restores base snapshots the
+"mapped, private" way (docs/control-plane.md, "Guest memory").
 
 Run as root:  .venv/bin/python bench/mapped_restore.py [--rounds 3] [--json out.json]
 """
@@ -37,41 +40,33 @@ from checkpoints import MEMORY_MIB, TOUCH_MIB, touch
 from space.worker.local import local_runtime
 from space.worker.machine import Machine
 from space.worker.storage.reflink import clone_file
-from space.worker.vmm.base import VM, SnapshotInfo, VMConfig, VMMError
-from space.worker.vmm.qemu import STATE_FD, QemuDriver, QemuVM
+from space.worker.vmm.base import MEMORY_FILE, VM, SnapshotInfo, VMConfig, VMMError
+from space.worker.vmm.qemu import STATE_FD, QemuDriver
 
 CLONES = 4
-MEMORY_FILE = "memory.bin"
 IGNORE_SHARED = {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
 
 
 class FileMemory(QemuDriver):
-    """QEMU with its guest RAM in a file: shared (the source) or a private mapping (a restore),
-    and migrations that leave such RAM out of the stream."""
+    """The worker's QEMU driver, whose snapshot sources keep RAM in a file that restores map
+    privately; and, for the third way, restores that map a file of their own shared."""
 
     def __init__(self, base: QemuDriver) -> None:
-        super().__init__(base.binary, base.accel, base.guest_aslr)
-        # A VM's memory file, and whether it is mapped shared; None: anonymous RAM.
-        self.memory: Callable[[str], tuple[Path, bool]] | None = None
-
-    def argv(self, config: VMConfig, run_dir: Path) -> list[str]:
-        argv = super().argv(config, run_dir)
-        if self.memory is None:
-            return argv
-        path, shared = self.memory(config.vm_id)
-        backend = (f"memory-backend-file,id=ram,size={config.memory_mib}M,mem-path={path},"
-                   f"share={'on' if shared else 'off'}")  # fmt: skip
-        at = argv.index("-m")
-        return [*argv[:at], "-object", backend, "-machine", "memory-backend=ram", *argv[at:]]
+        # No balloon: QEMU 7.2 would punch holes in the memory files.
+        super().__init__(base.binary, base.accel, base.guest_aslr, free_page_reporting=False,
+                         mapped_memory=True)  # fmt: skip
+        # A restore's own memory file, mapped shared; None: the driver's own restores.
+        self.memory: Callable[[str], Path] | None = None
 
     async def restore(
         self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path, *, paused: bool = False
     ) -> VM:
         if self.memory is None:
             return await super().restore(snapshot, config, run_dir, paused=paused)
+        own = config.with_changes(memory_file=self.memory(config.vm_id), memory_shared=True)
         # The capability must be set on both sides before the stream is read: defer it.
         state = snapshot.path / snapshot.files["state"]
-        vm = await self._launch(config, run_dir, ["-incoming", "defer"], {STATE_FD: state})
+        vm = await self._launch(own, run_dir, ["-incoming", "defer"], {STATE_FD: state})
         await vm._execute("migrate-set-capabilities", IGNORE_SHARED)
         await vm._execute("migrate-incoming", {"uri": f"fd:{STATE_FD}"})
         while (status := await vm.query_status()) != "running":
@@ -95,23 +90,19 @@ def pss_mib(vm: VM) -> float:
 async def source(driver: FileMemory, rt: Any, root: Path, mapped: bool) -> tuple[Path, float]:
     """A booted VM that touched TOUCH_MIB, snapshotted into root/snap; its pause (ms)."""
     vms = root / "vms"
-    driver.memory = (lambda _: (root / MEMORY_FILE, True)) if mapped else None
+    driver.memory = None
     m = await Machine.boot(driver, rt.pool, rt.images, vm_id="src", memory_mib=MEMORY_MIB,
-                           vms_dir=vms)  # fmt: skip
+                           vms_dir=vms, snapshot_source=mapped)  # fmt: skip
     try:
         await touch(m.agent, TOUCH_MIB)
         await m.agent.sync()
         snap = root / "snap"
-        if mapped:
+        if m.vm.config.memory_file is not None:
             # Flush the guest's dirty pages to the file while it runs, so that the clone
             # made while it is paused has little left to write.
-            await asyncio.to_thread(_flush, root / MEMORY_FILE)
-            assert isinstance(m.vm, QemuVM)
-            await m.vm._execute("migrate-set-capabilities", IGNORE_SHARED)
+            await asyncio.to_thread(_flush, m.vm.config.memory_file)
         started = time.perf_counter()
         await m.vm.snapshot(snap)
-        if mapped:
-            await asyncio.to_thread(clone_file, root / MEMORY_FILE, snap / MEMORY_FILE)
         await m.vm.resume()
         return snap, (time.perf_counter() - started) * 1000
     finally:
@@ -140,11 +131,8 @@ async def clones(
                                       vms_dir=vms)  # fmt: skip
             return m, (time.perf_counter() - t) * 1000
 
-        driver.memory = {
-            "baseline": None,
-            "private": lambda _: (snap / MEMORY_FILE, False),
-            "shared": lambda vm_id: (root / f"{vm_id}.mem", True),
-        }[mode]
+        # The worker's restores for the first two; a reflink each, mapped shared, for the third.
+        driver.memory = (lambda vm_id: root / f"{vm_id}.mem") if mode == "shared" else None
         t = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in ids))
         walls.append((time.perf_counter() - t) * 1000)
@@ -192,8 +180,8 @@ async def main() -> None:
 
 def table(results: dict[str, Any]) -> str:
     names = {
-        "baseline": "baseline: anonymous RAM, migration stream (today)",
-        "private": "memory file, x-ignore-shared, one file mapped privately by all clones",
+        "baseline": "baseline: anonymous RAM, migration stream (checkpoints, suspends, forks)",
+        "private": "memory file, x-ignore-shared, mapped privately by all clones (base snapshots)",
         "shared": "memory file, x-ignore-shared, a reflink per clone mapped shared",
     }
     lines = [
