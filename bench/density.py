@@ -76,23 +76,12 @@ def exec_rtt(c: httpx.Client, sid: str) -> float:
     return time.perf_counter() - t
 
 
-def refilled(p: BenchPlatform, admin: str, within_s: float = 60) -> bool:
-    """Whether the pool is full again within `within_s`: a host full by vCPUs (members hold
-    them too) refills no member, so its hits cannot be measured."""
-    deadline = time.monotonic() + within_s
-    with p.client(admin) as c:
-        while c.get("/v1/templates/base").json()["pool"]["ready"] < POOL:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-    return True
-
-
 def hits(p: BenchPlatform, key: str, admin: str, n: int) -> dict[str, float] | None:
     samples = []
     with p.client(key) as c:
         for _ in range(n):
-            if not refilled(p, admin):
+            # A host full by vCPUs (members hold them too) refills no member: no hits there.
+            if not wait_pool(p, admin, POOL, within_s=60):
                 return None
             t = time.perf_counter()
             r = c.post("/v1/sandboxes", json=CREATE)

@@ -74,13 +74,17 @@ def set_pool(p: BenchPlatform, admin: str, size: int) -> None:
         assert r.status_code == 200, r.text
 
 
-def wait_pool(p: BenchPlatform, admin: str, ready: int) -> None:
-    """Until the pool has `ready` members ready (at least; exactly, for an empty pool)."""
+def wait_pool(p: BenchPlatform, admin: str, ready: int, within_s: float | None = None) -> bool:
+    """Until the pool has `ready` members ready (at least; exactly, for an empty pool); False
+    if it has not within `within_s` (None: however long it takes)."""
+    deadline = None if within_s is None else time.monotonic() + within_s
     with p.client(admin) as c:
         while True:
             have = c.get("/v1/templates/base").json()["pool"]["ready"]
             if have >= ready and (ready > 0 or have == 0):
-                return
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
             time.sleep(0.01)
 
 

@@ -34,12 +34,17 @@ def worker_info(platform: Platform) -> dict[str, Any]:
         return dict(info)
 
 
-def all_workers(platform: Platform) -> dict[str, int]:
-    """The figures of every worker added up: a test that made a second one leaves it."""
+def active_workers(platform: Platform) -> list[dict[str, Any]]:
+    """Every active worker: a test that made a second one leaves it."""
     with platform.client(platform.admin_key) as admin:
         items = admin.get("/v1/workers").json()["items"]
+    return [w for w in items if w["state"] == "active"]
+
+
+def all_workers(platform: Platform) -> dict[str, int]:
+    """The figures of every active worker added up."""
     keys = ("sandboxes", "memory_used_mib", "guest_memory_mib")
-    return {k: sum(w[k] for w in items if w["state"] == "active") for k in keys}
+    return {k: sum(w[k] for w in active_workers(platform)) for k in keys}
 
 
 def test_admission_counts_what_vms_really_take(platform: Platform) -> None:
@@ -119,9 +124,7 @@ def test_a_create_that_placement_cannot_fit_is_given_up_at_once(platform: Platfo
     """The API's admission and placement disagree when creates race for the last room: the
     ones placement cannot fit are given up within seconds (503 and why), never left hanging,
     and hold nothing afterwards."""
-    with platform.client(platform.admin_key) as admin:
-        workers = [w for w in admin.get("/v1/workers").json()["items"]
-                   if w["state"] == "active" and not w["problem"]]  # fmt: skip
+    workers = [w for w in active_workers(platform) if not w["problem"]]
     # Each worker fits one at most, whatever others free meanwhile (two would take more than
     # 1.2 times the most any worker admits), and one fits where there is room for it now: so
     # two of these creates find no room.
