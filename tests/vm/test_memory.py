@@ -78,12 +78,14 @@ async def test_a_guest_gives_back_the_memory_it_frees(runtime: LocalRuntime) -> 
         assert high > 160 << 10, f"the guest's 160 MiB do not show on the host ({high} KiB)"
         await m.agent.run(["kill", str(held)])
         # The guest reports freed blocks after a delay of 2 s; the host drops them at once.
+        # Only whole free 2 MiB blocks are reported, and the guest's kernel keeps some of what
+        # the process freed for its caches: most, not all, of the 160 MiB comes back.
         for _ in range(100):
             now = guest_ram(vmm_pid(m), 256)["Rss"]
-            if now < high - (128 << 10):
+            if now < high - (96 << 10):
                 break
             await asyncio.sleep(0.2)
-        assert now < high - (128 << 10), f"held {high} KiB, {now} KiB after the guest freed it"
+        assert now < high - (96 << 10), f"held {high} KiB, {now} KiB after the guest freed it"
 
 
 async def test_clones_share_a_base_snapshots_memory_and_cannot_change_it(
