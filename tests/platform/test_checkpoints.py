@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -173,6 +174,94 @@ def test_a_checkpoint_leaves_volumes_alone(platform: Platform) -> None:
         assert out(c, sid, "cat /data/note") == "one\ntwo\n"
         c.delete(f"/v1/sandboxes/{sid}")
         c.delete(f"/v1/volumes/{vol}")
+
+
+def made(admin: httpx.Client, name: str, body: dict[str, object]) -> dict[str, Any]:
+    """The template once its build of a checkpoint ended."""
+    r = admin.post(f"/v1/templates/{name}/builds", json=body)
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 120
+    while (tpl := admin.get(f"/v1/templates/{name}").json())["state"] in ("queued", "building"):
+        assert time.monotonic() < deadline, tpl
+        time.sleep(0.2)
+    return dict(tpl)
+
+
+def test_a_checkpoint_becomes_a_template_whose_sandboxes_start_as_it_was(
+    platform: Platform,
+) -> None:
+    with platform.client(platform.admin_key) as admin, platform.client() as c:
+        sid = create(admin, env={"WHO": "maker"})["id"]
+        pid = start_counter(admin, sid)
+        out(admin, sid, "echo kept > /root/kept")
+        ck = checkpoint(admin, sid)
+        source = {"sandbox_id": sid, "checkpoint_id": ck["id"]}
+        body = {"checkpoint": source}
+
+        # Templates are every tenant's: only admin keys make them, of their own checkpoints.
+        theirs = create(c)["id"]
+        their_ck = checkpoint(c, theirs)
+        assert c.post("/v1/templates/ck-tpl/builds", json=body).status_code == 403
+        r = admin.post("/v1/templates/ck-tpl/builds", json={"checkpoint": {
+            "sandbox_id": theirs, "checkpoint_id": their_ck["id"]}})  # fmt: skip
+        assert r.status_code == 404, r.text
+        r = admin.post("/v1/templates/ck-tpl/builds", json={**body, "spec": "x"})
+        assert r.status_code == 422, r.text
+        assert admin.get("/v1/templates/ck-tpl").status_code == 404  # nothing was queued
+
+        tpl = made(admin, "ck-tpl", body)
+        assert tpl["state"] == "ready" and tpl["error"] is None, tpl
+        assert str(ck["id"]) in tpl["built"]["source"]
+        base = POOL / "workers" / str(tpl["worker_id"]) / "base" / "ck-tpl-1-256"
+        assert (base / "memory.bin").is_file()  # mapped, as every base snapshot here
+        # The template has copies of what it needs: its checkpoint and sandbox may go.
+        assert admin.delete(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"
+
+        kids = [create(c, template="ck-tpl", env={"WHO": f"kid{i}"})["id"] for i in range(2)]
+        for kid in kids:
+            assert counter_runs(c, kid, pid), kid  # the maker's process, running on
+            assert out(c, kid, "cat /root/kept") == "kept\n"
+            assert out(c, kid, "hostname") == f"{kid}\n"
+        assert out(c, kids[1], "echo $WHO") == "kid1\n"  # the creator's env, not the maker's
+        out(c, kids[0], "echo mine > /root/kept")
+        assert out(c, kids[1], "cat /root/kept") == "kept\n"
+
+        # Its sandboxes have the checkpoint's shape; a create asking another is told why.
+        r = c.post("/v1/sandboxes", json={"template": "ck-tpl", "vcpus": 2})
+        assert r.status_code == 400 and "checkpoint" in r.json()["detail"], r.text
+        r = admin.put("/v1/templates/ck-tpl/pool", json={"size": 1, "memory_mib": 512})
+        assert r.status_code == 400, r.text
+
+        # A warm pool serves it, of the checkpoint's shape.
+        r = admin.put("/v1/templates/ck-tpl/pool", json={"size": 1})
+        assert r.status_code == 200 and r.json()["pool"]["memory_mib"] == 256, r.text
+        deadline = time.monotonic() + 120
+        while admin.get("/v1/templates/ck-tpl").json()["pool"]["ready"] < 1:
+            assert time.monotonic() < deadline, "the pool did not fill"
+            time.sleep(0.3)
+        hit = create(c, template="ck-tpl")
+        assert hit["boot"] == "pool", hit
+        assert counter_runs(c, hit["id"], pid)
+        assert out(c, hit["id"], "cat /root/kept") == "kept\n"
+
+        # A checkpoint of a sandbox with volumes is refused (its guest has them mounted).
+        vol = admin.post("/v1/volumes", json={"size_mib": 64}).json()["id"]
+        with_vol = create(admin, volumes=[{"volume": vol, "path": "/data"}])["id"]
+        vol_ck = checkpoint(admin, with_vol)
+        r = admin.post("/v1/templates/ck-vol/builds", json={"checkpoint": {
+            "sandbox_id": with_vol, "checkpoint_id": vol_ck["id"]}})  # fmt: skip
+        assert r.status_code == 400 and "volumes" in r.json()["detail"], r.text
+        admin.delete(f"/v1/sandboxes/{with_vol}")
+        admin.delete(f"/v1/volumes/{vol}")
+
+        for kid in [*kids, hit["id"], theirs]:
+            c.delete(f"/v1/sandboxes/{kid}")
+        admin.put("/v1/templates/ck-tpl/pool", json={"size": 0})
+        deadline = time.monotonic() + 60
+        while (r := admin.delete("/v1/templates/ck-tpl")).status_code == 409:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.3)
+        assert r.status_code == 200, r.text
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from space.api.schemas import (
     SandboxList,
     TimeoutUpdate,
 )
+from space.api.templates import fitted
 from space.controller.placement import Need, pick_worker, why_not
 from space.db.store import TRANSITIONAL, Conflict, NotFound, Refused, Row
 from space.netpolicy import gateway_policy, placeholder_env, policy_for, with_placeholders
@@ -93,7 +94,7 @@ async def create_sandbox(
     started = time.perf_counter()
     if body.network is not None:
         svc.check_egress(body.network)
-    body = await _disk_for(svc, body)
+    body = await _fit_template(svc, body)
     values = body.model_dump()
     values["idempotency_key"] = idempotency_key
     values["request_id"] = logs.request_id.get()  # the controller's lines for it carry it on
@@ -137,15 +138,16 @@ async def create_sandbox(
     return Sandbox.from_row(row)
 
 
-async def _disk_for(svc: Svc, body: SandboxCreate) -> SandboxCreate:
+async def _fit_template(svc: Svc, body: SandboxCreate) -> SandboxCreate:
     """A create that names no disk size gets the default, or its template's size if that is
-    larger (`base` is the default's size: its creates need no look)."""
-    if "disk_mib" in body.model_fields_set or body.template == "base":
+    larger; one of a template made from a checkpoint gets that checkpoint's shape, and 400 if
+    it asks for another (`base` needs no look)."""
+    if body.template == "base":
         return body
-    size = await svc.store.template_disk_mib(body.template)
-    if size is None or size <= body.disk_mib:
+    record = await svc.store.template_record(body.template)
+    if record is None:
         return body
-    return body.model_copy(update={"disk_mib": size})
+    return body.model_copy(update=fitted(record, body))
 
 
 def chosen_id(chosen: str, tenant_id: str) -> str:

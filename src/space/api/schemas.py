@@ -241,8 +241,15 @@ BUILT_HIDDEN: dict[str, Any] = {"source": "", "env": {}, "entrypoint": [], "cmd"
                                 "start": None, "ready": None, "steps": []}  # fmt: skip
 
 
+class CheckpointRef(Strict):
+    sandbox_id: str = Field(max_length=64)
+    checkpoint_id: str = Field(max_length=64)
+
+
 class BuildRequest(Strict):
-    spec: str = Field(min_length=1, max_length=1 << 20, description="the space.toml text")
+    """A spec to build, or a checkpoint of one of your sandboxes to make the template of."""
+
+    spec: str = Field(default="", max_length=1 << 20, description="the space.toml text")
     context: str = Field(
         "", max_length=96 << 20, description="base64 of a tar (optionally compressed) holding "
         "the files the spec's copy steps name, relative to the spec's directory",
@@ -252,11 +259,25 @@ class BuildRequest(Strict):
         description="values of the environment variables the spec names for registry "
         "credentials (used for this build only, never stored)",
     )
+    checkpoint: CheckpointRef | None = Field(
+        None,
+        description="instead of a spec: make the template of this checkpoint (its disk, and "
+        "its memory with the processes running as the base snapshot of its shape); sandboxes "
+        "of it have the checkpoint's vCPUs and memory",
+    )
 
     @field_validator("environ")
     @classmethod
     def env_names(cls, env: dict[str, str]) -> dict[str, str]:
         return _check_env(env)
+
+    @model_validator(mode="after")
+    def one_source(self) -> BuildRequest:
+        if bool(self.spec) == (self.checkpoint is not None):
+            raise ValueError("give either a spec or a checkpoint")
+        if self.checkpoint is not None and (self.context or self.environ):
+            raise ValueError("a build of a checkpoint takes no context or environ")
+        return self
 
 
 class TemplateList(BaseModel):

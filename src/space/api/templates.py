@@ -12,6 +12,7 @@ import binascii
 import json
 import re
 import secrets
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
@@ -19,15 +20,40 @@ from fastapi.responses import StreamingResponse
 from space.api.data import relay
 from space.api.deps import Caller, Services, Svc, require_admin
 from space.api.errors import APIError
-from space.api.schemas import TEMPLATE_ID, BuildRequest, PoolSettings, Template, TemplateList
+from space.api.schemas import (
+    TEMPLATE_ID,
+    BuildRequest,
+    CheckpointRef,
+    PoolSettings,
+    SandboxCreate,
+    Template,
+    TemplateList,
+)
 from space.db.store import NotFound, Row
 from space.db.store.templates import build_context
 from space.worker.api.client import Worker
+from space.worker.templates.record import shape_error
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"])
 
 START_WAIT_S = 30.0  # a queued build is answered once a worker started it, or after this
 TEMPLATE_ID_RE = re.compile(TEMPLATE_ID)
+
+
+def fitted(record: dict[str, Any], body: SandboxCreate | PoolSettings) -> dict[str, int]:
+    """What a sandbox or pool member of the template that `record` describes gets where
+    `body` names nothing: its file system's size where that is larger than the default disk,
+    and the shape of the checkpoint it was made of, if it was (400 for another shape)."""
+    named, update = body.model_fields_set, {}
+    size_mib = -(-int(record["size_bytes"]) // (1 << 20))
+    if "disk_mib" not in named and size_mib > body.disk_mib:
+        update["disk_mib"] = size_mib
+    if record.get("vcpus") is not None:
+        update |= {f: record[f] for f in ("vcpus", "memory_mib") if f not in named}
+        shape = {"vcpus": body.vcpus, "memory_mib": body.memory_mib} | update
+        if why := shape_error(record, shape["vcpus"], shape["memory_mib"]):
+            raise APIError(400, why)
+    return update
 
 
 async def _template(svc: Services, template_id: str) -> Row:
@@ -54,7 +80,8 @@ async def build(template_id: str, body: BuildRequest, svc: Svc, caller: Caller) 
     """Build (or rebuild) a template from a space.toml; follow it at .../build/log. Steps
     whose inputs did not change since an earlier build on that worker come from its cache.
     The build is queued; the controller starts it on a worker with room (the template's own
-    worker for a rebuild)."""
+    worker for a rebuild). Or make it of one of your checkpoints (on that checkpoint's
+    worker): sandboxes of it start as the checkpoint was, processes running, with its shape."""
     require_admin(caller, "build templates")
     if not TEMPLATE_ID_RE.match(template_id):
         raise APIError(400, f"template id {template_id!r} must match {TEMPLATE_ID}")
@@ -67,12 +94,30 @@ async def build(template_id: str, body: BuildRequest, svc: Svc, caller: Caller) 
     sealed = None
     if body.environ:
         sealed = svc.sealer.seal(json.dumps(body.environ).encode(), build_context(template_id))
-    await svc.store.request_build(template_id, secrets.token_hex(8), body.spec, context, sealed)
+    checkpoint = await _checkpoint(svc, caller, body.checkpoint) if body.checkpoint else None
+    await svc.store.request_build(template_id, secrets.token_hex(8), body.spec, context, sealed,
+                                  checkpoint)  # fmt: skip
     row = await svc.wait_for_template(template_id, lambda r: r["state"] != "queued", START_WAIT_S)
     if row["state"] in ("ready", "failed") and row["error"]:
         # Its worker refused to start it (a bad spec or context): nothing was built.
         raise APIError(400, row["error"])
     return Template.from_row(row, admin=True)
+
+
+async def _checkpoint(svc: Services, caller: Caller, ref: CheckpointRef) -> Row:
+    """One of the caller's ready checkpoints, of a sandbox without volumes."""
+    what = f"checkpoint {ref.checkpoint_id} of sandbox {ref.sandbox_id}"
+    try:
+        row, _, _ = await svc.store.checkpoint(caller.id, ref.sandbox_id, ref.checkpoint_id)
+        sandbox = await svc.store.get_sandbox(ref.sandbox_id, caller.id)
+    except NotFound:
+        raise APIError(404, f"no {what}") from None
+    if row["state"] != "ready":
+        raise APIError(409, f"{what} is {row['state']}", state=row["state"])
+    if sandbox["volumes"]:
+        raise APIError(400, f"sandbox {ref.sandbox_id} has volumes: its checkpoints have them "
+                       "mounted, and a template's sandboxes would not")  # fmt: skip
+    return row
 
 
 @router.get("/{template_id}/build/log", response_class=StreamingResponse)
@@ -102,6 +147,9 @@ async def set_pool(template_id: str, body: PoolSettings, svc: Svc, caller: Calle
     """Size and shape of the template's warm pool (admin keys only). The controller fills or
     shrinks it in the background; members of another shape are let go."""
     require_admin(caller, "change a warm pool")
+    record = await svc.store.template_record(template_id)
+    if record is not None:
+        body = body.model_copy(update=fitted(record, body))
     try:
         await svc.store.set_pool(template_id, body.size, body.vcpus, body.memory_mib,
                                  body.disk_mib)  # fmt: skip

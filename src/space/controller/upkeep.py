@@ -17,7 +17,7 @@ from space.db.sealing import Sealer
 from space.db.store import Conflict, NotFound, Row, Store
 from space.db.store.templates import build_context
 from space.worker.api.client import Worker, WorkerClient, WorkerError
-from space.worker.api.models import BuildRequest
+from space.worker.api.models import BuildRequest, CheckpointSource
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,14 @@ class TemplateBuilds:
     async def _start(self, build: Row) -> None:
         workers = await self.store.workers()
         home = build["worker_id"]
+        if build["checkpoint_id"] is not None:
+            if build["checkpoint_state"] != "ready":
+                gone = (
+                    f"checkpoint {build['checkpoint_id']} is {build['checkpoint_state'] or 'gone'}"
+                )
+                await self.store.fail_queued_build(build["template_id"], build["request_id"], gone)
+                return
+            home = build["checkpoint_worker"]  # its files are there
         if home is not None:
             # Its sandboxes and its build cache are there: a rebuild stays on that worker.
             workers = [w for w in workers if w["id"] == home]
@@ -150,15 +158,7 @@ class TemplateBuilds:
         if worker_id is None:
             return  # it waits in the queue until there is room
         w = next(w for w in workers if w["id"] == worker_id)
-        environ: dict[str, str] = {}
-        if build["environ_sealed"] is not None:
-            raw = self.sealer.open(build["environ_key_id"], bytes(build["environ_sealed"]),
-                                   build_context(build["template_id"]))  # fmt: skip
-            environ = json.loads(raw)
-        body = BuildRequest(
-            spec=build["spec"], context=base64.b64encode(bytes(build["context"])).decode(),
-            environ=environ, request_id=build["request_id"],
-        )  # fmt: skip
+        body = self._request(build)
         try:
             worker = Worker(w["id"], w["url"])
             started = await self.workers.start_build(worker, build["template_id"], body)
@@ -170,6 +170,22 @@ class TemplateBuilds:
         await self.store.begin_build(
             build["template_id"], build["request_id"], worker_id, started.id
         )
+
+    def _request(self, build: Row) -> BuildRequest:
+        if build["checkpoint_id"] is not None:
+            source = CheckpointSource(
+                vm_id=build["checkpoint_sandbox"], checkpoint_id=build["checkpoint_id"]
+            )
+            return BuildRequest(checkpoint=source, request_id=build["request_id"])
+        environ: dict[str, str] = {}
+        if build["environ_sealed"] is not None:
+            raw = self.sealer.open(build["environ_key_id"], bytes(build["environ_sealed"]),
+                                   build_context(build["template_id"]))  # fmt: skip
+            environ = json.loads(raw)
+        return BuildRequest(
+            spec=build["spec"], context=base64.b64encode(bytes(build["context"])).decode(),
+            environ=environ, request_id=build["request_id"],
+        )  # fmt: skip
 
     async def _follow(self, tpl: Row) -> None:
         worker = await self.store.worker(tpl["worker_id"])

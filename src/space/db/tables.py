@@ -208,6 +208,9 @@ template_builds = sa.Table(
     # Registry credentials for this build, sealed like secrets; removed with the request.
     sa.Column("environ_key_id", sa.Text),
     sa.Column("environ_sealed", sa.LargeBinary),
+    # Or the checkpoint the template is made of (spec and context are then empty). No foreign
+    # key: a checkpoint deleted before the build starts fails the build, it does not vanish it.
+    sa.Column("checkpoint_id", sa.Text),
     sa.Column("requested_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )
 

@@ -3,7 +3,8 @@ log any number of readers can follow, and on success makes the template usable a
 
 A build's input is its spec (space.toml text), a build context (a tar of the files its `copy`
 steps bring in) and the values of the environment variables the spec names for registry
-credentials; none of them outlive the build.
+credentials; none of them outlive the build. A build may instead make the template of a
+checkpoint on this worker.
 """
 
 from __future__ import annotations
@@ -12,16 +13,21 @@ import asyncio
 import contextlib
 import io
 import logging
+import re
 import shutil
 import tarfile
 import tempfile
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from space.worker.sandboxes import VMManager
+from space.worker.api.models import TEMPLATE
+from space.worker.sandboxes import VMManager, checkpoints
+from space.worker.sandboxes.errors import InvalidArgument, VMNotFound
 from space.worker.templates import (
     BuildEnv,
+    BuildError,
     BuildLog,
     TemplateError,
     TemplateRecord,
@@ -70,11 +76,8 @@ class Builds:
     def start(
         self, name: str, spec: str, context: bytes, environ: dict[str, str], request_id: str = ""
     ) -> Build:
-        for b in self._builds.values():
-            if request_id and b.request_id == request_id and b.name == name:
-                return b  # asked for again (the controller retried): the same build
-        if any(b.name == name and b.state == "building" for b in self._builds.values()):
-            raise BuildRefused(f"a build of template {name} is under way")
+        if (same := self._same(name, request_id)) is not None:
+            return same
         workdir = Path(tempfile.mkdtemp(prefix="space-build-"))
         try:
             _unpack(context, workdir)
@@ -85,12 +88,55 @@ class Builds:
         if parsed.name != name:
             shutil.rmtree(workdir, ignore_errors=True)
             raise BuildRefused(f"the spec builds template {parsed.name!r}, not {name!r}")
+
+        async def job(build_log: BuildLog) -> TemplateRecord:
+            try:
+                record = await build_template(parsed, self.env, build_log, environ=environ)
+                self.manager.refresh_templates()
+                return record
+            finally:
+                await asyncio.to_thread(shutil.rmtree, workdir, True)
+
+        return self._run(name, request_id, job)
+
+    def from_checkpoint(
+        self, name: str, vm_id: str, checkpoint_id: str, request_id: str = ""
+    ) -> Build:
+        """Make template `name` of a checkpoint on this worker (see `checkpoints.to_template`)."""
+        if not re.match(TEMPLATE, name) or name == "base":
+            raise BuildRefused(f"{name!r} cannot name a template (it must match {TEMPLATE})")
+        if (same := self._same(name, request_id)) is not None:
+            return same
+        if not (self.manager.layout.checkpoints / vm_id / checkpoint_id).is_dir():
+            raise BuildRefused(f"VM {vm_id} has no checkpoint {checkpoint_id!r} here")
+
+        async def job(build_log: BuildLog) -> TemplateRecord:
+            try:
+                return await checkpoints.to_template(
+                    self.manager, vm_id, checkpoint_id, name, build_log
+                )
+            except (VMNotFound, InvalidArgument) as e:
+                raise BuildError(str(e)) from None
+
+        return self._run(name, request_id, job)
+
+    def _same(self, name: str, request_id: str) -> Build | None:
+        """The build this request started before (a controller retrying after a crash)."""
+        for b in self._builds.values():
+            if request_id and b.request_id == request_id and b.name == name:
+                return b
+        if any(b.name == name and b.state == "building" for b in self._builds.values()):
+            raise BuildRefused(f"a build of template {name} is under way")
+        return None
+
+    def _run(
+        self, name: str, request_id: str, job: Callable[[BuildLog], Awaitable[TemplateRecord]]
+    ) -> Build:
         build = Build(f"b-{uuid.uuid4().hex[:12]}", name, BuildLog(), request_id=request_id)
 
         async def run() -> None:
             try:
-                build.record = await build_template(parsed, self.env, build.log, environ=environ)
-                self.manager.refresh_templates()
+                build.record = await job(build.log)
                 build.state = "ready"
             except TemplateError as e:
                 build.state, build.error = "failed", str(e)
@@ -101,7 +147,6 @@ class Builds:
                 build.log(f"build failed: {build.error}")
             finally:
                 build.log.close()
-                await asyncio.to_thread(shutil.rmtree, workdir, True)
 
         build.task = asyncio.ensure_future(run())
         self._builds[build.id] = build

@@ -211,6 +211,7 @@ class Machine:
         drives: tuple[Drive, ...] | None = None,
         tap_fd: int | None = None,
         before_start: Callable[[Path], Awaitable[None]] | None = None,
+        snapshot_source: bool = False,
     ) -> Machine:
         """Start a VM from a snapshot and give it an identity of its own.
 
@@ -219,7 +220,8 @@ class Machine:
         drives (as many as it has); the guest sees them once it probes those devices again.
         `before_start(run_dir)` runs once the state is loaded and before the guest runs: a
         caller retires the snapshot there, so that a running guest and a snapshot it has
-        outgrown never both look current.
+        outgrown never both look current. A `snapshot_source` is restored to be snapshotted
+        again as a base snapshot: its RAM goes into a file where the driver can map one.
         """
         t0 = time.perf_counter()
         vm_id = vm_id or new_vm_id()
@@ -228,6 +230,8 @@ class Machine:
             disk = run_dir / DISK
             await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
             config = snapshot.config.with_changes(vm_id=vm_id, rootfs=disk, tap_fd=tap_fd)
+            if snapshot_source:
+                config = config.with_changes(memory_file=run_dir / MEMORY_FILE, memory_shared=True)
             if drives is not None:
                 config = config.with_changes(drives=drives)
             t1 = time.perf_counter()

@@ -22,14 +22,12 @@ class TemplateQueries(Queries):
         async with self.engine.begin() as c:
             await c.execute(pg_insert(t.templates).values(id=template_id).on_conflict_do_nothing())
 
-    async def template_disk_mib(self, template_id: str) -> int | None:
-        """The size of a built template's file system (what a sandbox's disk must hold)."""
-        tp = t.templates.c
-        size_bytes = tp.record["size_bytes"].astext.cast(sa.BigInteger)
-        q = sa.select(size_bytes).where(tp.id == template_id)
+    async def template_record(self, template_id: str) -> dict[str, Any] | None:
+        """What the last good build of a template made (its worker's template.json)."""
+        q = sa.select(t.templates.c.record).where(t.templates.c.id == template_id)
         async with self.engine.connect() as c:
-            size = (await c.execute(q)).scalar()
-        return None if size is None else -(-size // (1 << 20))
+            record = (await c.execute(q)).scalar()
+        return dict(record) if record else None
 
     async def template_exists(self, template_id: str) -> bool:
         """Whether sandboxes can be made of it: `base`, or a template built at least once
@@ -54,10 +52,12 @@ class TemplateQueries(Queries):
 
     async def request_build(
         self, template_id: str, request_id: str, spec: str, context: bytes,
-        environ: tuple[str, bytes] | None,
+        environ: tuple[str, bytes] | None, checkpoint: Row | None = None,
     ) -> Row:  # fmt: skip
         """Queue a build of a template (made by its first build); Refused while one is queued,
-        under way or the template is being deleted. `environ` is (key id, sealed JSON)."""
+        under way or the template is being deleted. `environ` is (key id, sealed JSON). A
+        build of a `checkpoint` runs on its worker: refused for a template that lives on
+        another."""
         tp = t.templates.c
         async with self.engine.begin() as c:
             await c.execute(pg_insert(t.templates).values(id=template_id, state="queued")
@@ -76,11 +76,18 @@ class TemplateQueries(Queries):
             if row["state"] in ("building", "deleting") or queued.first() is not None:
                 state = "queued" if row["state"] not in ("building", "deleting") else row["state"]
                 raise Refused(409, f"template {template_id} is {state}")
+            home = row["worker_id"]
+            if checkpoint is not None and home not in (None, checkpoint["worker_id"]):
+                raise Refused(
+                    409, f"template {template_id} lives on worker {home}, and checkpoint "
+                    f"{checkpoint['id']} on worker {checkpoint['worker_id']}: choose another name",
+                )  # fmt: skip
             await c.execute(
                 t.template_builds.insert().values(
                     template_id=template_id, request_id=request_id, spec=spec, context=context,
                     environ_key_id=environ[0] if environ else None,
                     environ_sealed=environ[1] if environ else None,
+                    checkpoint_id=checkpoint["id"] if checkpoint is not None else None,
                 )
             )  # fmt: skip
             q = (
@@ -92,11 +99,20 @@ class TemplateQueries(Queries):
             return (await c.execute(q)).mappings().one()
 
     async def queued_builds(self) -> list[Row]:
-        """Builds asked for and not started yet, with the template's home worker if it has one."""
-        b, tp = t.template_builds.c, t.templates.c
+        """Builds asked for and not started yet, with the template's home worker if it has one
+        and, for a build of a checkpoint, that checkpoint's sandbox, worker and state (None if
+        it is gone)."""
+        b, tp, k = t.template_builds.c, t.templates.c, t.checkpoints.c
         q = (
-            sa.select(t.template_builds, tp.worker_id)
+            sa.select(
+                t.template_builds,
+                tp.worker_id,
+                k.sandbox_id.label("checkpoint_sandbox"),
+                k.worker_id.label("checkpoint_worker"),
+                k.state.label("checkpoint_state"),
+            )
             .join(t.templates, tp.id == b.template_id)
+            .outerjoin(t.checkpoints, k.id == b.checkpoint_id)
             .order_by(b.requested_at)
         )
         async with self.engine.connect() as c:

@@ -188,12 +188,26 @@ class Reconciled(Answer):
 # --- templates --------------------------------------------------------------------------------
 
 
+class CheckpointSource(Strict):
+    vm_id: str = Field(pattern=VM_ID.pattern)
+    checkpoint_id: str = Field(pattern=VM_ID.pattern)
+
+
 class BuildRequest(Strict):
-    spec: str = Field(min_length=1, max_length=1 << 20)
-    context: str = Field("", max_length=MAX_CONTEXT_B64, description="base64 of a tar")
+    """A build of a spec, or the making of a template of a checkpoint on the worker."""
+
+    spec: str = Field(default="", max_length=1 << 20)
+    context: str = Field(default="", max_length=MAX_CONTEXT_B64, description="base64 of a tar")
     environ: Env = Field(default_factory=dict, max_length=64)
+    checkpoint: CheckpointSource | None = None
     # The same request again (a controller retrying after a crash) gets the same build.
     request_id: str = Field("", max_length=64)
+
+    @model_validator(mode="after")
+    def one_source(self) -> BuildRequest:
+        if bool(self.spec) == (self.checkpoint is not None):
+            raise ValueError("give either a spec or a checkpoint")
+        return self
 
 
 class BuildStatus(Answer):

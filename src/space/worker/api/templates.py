@@ -28,15 +28,19 @@ class TemplateRoutes:
     async def start_build(self, request: Request) -> Response:
         self.api._fenced(request)
         body = await read_body(BuildRequest, request)
+        name = str(request.path_params["name"])
         try:
             context = base64.b64decode(body.context, validate=True)
         except binascii.Error:
             raise Problem(400, "context must be base64 (of a tar archive)") from None
         try:
-            build = self.builds.start(
-                str(request.path_params["name"]), body.spec, context, body.environ,
-                body.request_id,
-            )  # fmt: skip
+            if body.checkpoint is not None:
+                source = body.checkpoint
+                build = self.builds.from_checkpoint(
+                    name, source.vm_id, source.checkpoint_id, body.request_id
+                )
+            else:
+                build = self.builds.start(name, body.spec, context, body.environ, body.request_id)
         except BuildRefused as e:
             raise Problem(400, str(e)) from None
         return JSONResponse(build.status(), status_code=202)

@@ -158,9 +158,13 @@ class VMManager:
         self._lock_fd = fd
 
     def refresh_templates(self) -> None:
-        """Make the newest build of every template built in the pool usable."""
+        """Make the newest build of every template built in the pool usable (and forget
+        those whose builds are gone)."""
         base = self.templates["base"]
-        for name, record in latest_templates(self.pool.root).items():
+        latest = latest_templates(self.pool.root)
+        for name in set(self.records) - set(latest):
+            del self.templates[name], self.records[name]
+        for name, record in latest.items():
             if name == "base":
                 continue  # the platform's own, from `space image base`
             self.templates[name] = BootImages(base.kernel, base.initrd, record.rootfs)
@@ -250,9 +254,11 @@ class VMManager:
                 raise InvalidArgument(
                     f"disk_mib {disk_mib} is smaller than template {template} ({image_mib} MiB)"
                 )
+            record = self.records.get(template)
+            if record is not None and (why := record.shape_error(vcpus, memory_mib)):
+                raise InvalidArgument(why)
             check_volumes(volumes)
             self.volumes.check_writers(vm_id, volumes, self._vms.values())
-            record = self.records.get(template)
             spec = SandboxSpec(
                 template, vcpus, memory_mib, dict(env or {}), hostname or f"sb-{vm_id}",
                 disk_mib, tuple(volumes),

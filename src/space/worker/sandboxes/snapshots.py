@@ -4,7 +4,9 @@ restores instead of booting.
 The first create of a shape boots a VM under `building/`, sets it up as every sandbox of the
 template starts (the gateway's CA, the template's service), snapshots it into a hidden
 directory of `base/`, writes down what it was made from and renames it into place: a crash
-leaves no half-made snapshot that a restore could pick up.
+leaves no half-made snapshot that a restore could pick up. A template made from a checkpoint
+has one shape, the checkpoint's: its VM is restored from that checkpoint instead, already set
+up, its processes running, and snapshotted the same way (so its RAM becomes a file to map).
 """
 
 from __future__ import annotations
@@ -108,19 +110,12 @@ class BaseSnapshots:
             build_id = f"base-{key}-{uuid.uuid4().hex[:6]}"
             # A NIC too when sandboxes get one (a restore needs the same devices); no egress.
             async with self.network(build_id, Policy()) as tap_fd:
-                machine = await Machine.boot(
-                    self.driver, self.pool, images, vm_id=build_id, vcpus=vcpus,
-                    memory_mib=memory_mib, vms_dir=self.layout.building,
-                    drives=await self.volumes.drives(()), tap_fd=tap_fd,
-                    guest_mac=GUEST_MAC if tap_fd is not None else None, snapshot_source=True,
-                )  # fmt: skip
+                machine = await self._source(build_id, vcpus, memory_mib, images, record, tap_fd)
                 tmp = self.layout.base / f".{key}.{uuid.uuid4().hex[:8]}"
                 try:
                     async with machine:
-                        if self.ca_pem is not None:
-                            await guest.install_ca(machine, await self.ca_pem())
-                        if record is not None:
-                            await guest.start_service(machine, record)
+                        if record is None or record.snapshot is None:
+                            await self._set_up(machine, record)
                         await machine.snapshot(tmp)
                     write_durable(tmp / IMAGES_FILE, json.dumps(made_from))
                     await asyncio.to_thread(fsync_tree, tmp)
@@ -131,6 +126,33 @@ class BaseSnapshots:
                     raise
             log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
             return SnapshotInfo.load(path), True
+
+    async def _source(
+        self, build_id: str, vcpus: int, memory_mib: int, images: BootImages,
+        record: TemplateRecord | None, tap_fd: int | None,
+    ) -> Machine:  # fmt: skip
+        """The VM a base snapshot is taken of: booted, or restored from the checkpoint that a
+        template was made of (its processes running as they were)."""
+        drives = await self.volumes.drives(())
+        checkpoint = record.snapshot_path if record is not None else None
+        if checkpoint is None:
+            return await Machine.boot(
+                self.driver, self.pool, images, vm_id=build_id, vcpus=vcpus,
+                memory_mib=memory_mib, vms_dir=self.layout.building, drives=drives, tap_fd=tap_fd,
+                guest_mac=GUEST_MAC if tap_fd is not None else None, snapshot_source=True,
+            )  # fmt: skip
+        # Of the checkpoint's own shape: the manager refuses creates of any other.
+        return await Machine.restore(
+            self.driver, self.pool, SnapshotInfo.load(checkpoint), vm_id=build_id,
+            vms_dir=self.layout.building, drives=drives, tap_fd=tap_fd, snapshot_source=True,
+        )  # fmt: skip
+
+    async def _set_up(self, machine: Machine, record: TemplateRecord | None) -> None:
+        """As every sandbox of the template starts: the gateway's CA, the template's service."""
+        if self.ca_pem is not None:
+            await guest.install_ca(machine, await self.ca_pem())
+        if record is not None:
+            await guest.start_service(machine, record)
 
 
 def _images_record(images: BootImages, nic: bool, driver: Driver) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from space.worker.templates.builder import (
     latest_templates,
     list_templates,
     prune_cache,
+    publish_template,
     remove_template,
 )
 from space.worker.templates.buildlog import BuildLog
@@ -47,5 +48,6 @@ __all__ = [
     "load_spec",
     "parse_spec",
     "prune_cache",
+    "publish_template",
     "remove_template",
 ]

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from space.worker.templates.errors import BuildError
 from space.worker.templates.record import RECORD_FILE, ROOTFS_FILE, TemplateRecord, agent_user
 from space.worker.templates.sources import Source, resolve_source, tree_digest
 from space.worker.templates.spec import METADATA_KINDS, Step, TemplateSpec
-from space.worker.vmm.base import Driver
+from space.worker.vmm.base import Driver, SnapshotInfo
 from space.worker.vmm.process import vmm_pids
 
 Log = Callable[[str], None]
@@ -248,7 +248,7 @@ async def build_template(
     if (record.path / RECORD_FILE).is_file():
         log(f"template {spec.name}: {digest} was built before; nothing changed")
         return TemplateRecord.load(record.path)
-    await asyncio.to_thread(_publish_template, record, disk)
+    await asyncio.to_thread(publish_template, record, disk)
     log(f"template {spec.name}: built {record.path} in {record.build_seconds:.1f} s")
     return record
 
@@ -522,13 +522,24 @@ async def _run(
         raise BuildError(f"step {index} ({step.describe()}) {how}; last output:\n  {last}")
 
 
-def _publish_template(record: TemplateRecord, disk: Path) -> None:
+def publish_template(
+    record: TemplateRecord, disk: Path, snapshot: SnapshotInfo | None = None
+) -> None:
+    """Put a template in place whole (its disk, its record, and the snapshot it was made of
+    if any: `record.snapshot`), all clones, or leave nothing."""
     parent = record.path.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
     try:
         clone_file(disk, tmp / ROOTFS_FILE)
         os.chmod(tmp / ROOTFS_FILE, 0o444)  # templates are immutable; sandboxes get clones
+        if snapshot is not None:
+            assert record.snapshot is not None
+            copy = tmp / record.snapshot
+            copy.mkdir(mode=0o700)  # its manifest holds the agent token it was taken with
+            for name in snapshot.files.values():
+                clone_file(snapshot.path / name, copy / name)
+            replace(snapshot, path=copy).save()
         (tmp / RECORD_FILE).write_text(json.dumps(record.to_json(), indent=2) + "\n")
         os.chmod(tmp, 0o755)
         tmp.rename(record.path)

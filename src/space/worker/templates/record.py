@@ -9,6 +9,20 @@ from typing import Any
 
 RECORD_FILE = "template.json"
 ROOTFS_FILE = "rootfs.ext4"
+SNAPSHOT_DIR = "snapshot"
+
+
+def shape_error(record: dict[str, Any], vcpus: int, memory_mib: int) -> str | None:
+    """Why a sandbox of this shape cannot be made of the template whose template.json is
+    `record`, if it cannot: one made from a checkpoint has the checkpoint's shape."""
+    fixed = (record.get("vcpus"), record.get("memory_mib"))
+    if fixed[0] is None or fixed == (vcpus, memory_mib):
+        return None
+    return (
+        f"template {record['name']} was made from a checkpoint of a sandbox with {fixed[0]} "
+        f"vCPUs and {fixed[1]} MiB: its sandboxes have that shape, not {vcpus} vCPUs and "
+        f"{memory_mib} MiB"
+    )
 
 
 def agent_user(user: str | None) -> str | int | None:
@@ -28,6 +42,10 @@ class TemplateRecord:
     config, changed by the steps); `entrypoint` + `cmd` is the image's own command; `start` is
     the spec's start command (run once the sandbox is up) and `ready` a command that exits 0
     once the started service is ready.
+
+    A template made from a checkpoint also keeps the checkpoint's snapshot (`snapshot`): its
+    base snapshot is made from that, processes and all, so its sandboxes have the checkpoint's
+    shape (`vcpus`, `memory_mib`).
     """
 
     name: str
@@ -46,10 +64,20 @@ class TemplateRecord:
     steps: list[str] = field(default_factory=list)
     built_at: str = ""
     build_seconds: float = 0.0
+    snapshot: str | None = None
+    vcpus: int | None = None
+    memory_mib: int | None = None
 
     @property
     def rootfs(self) -> Path:
         return self.path / ROOTFS_FILE
+
+    @property
+    def snapshot_path(self) -> Path | None:
+        return self.path / self.snapshot if self.snapshot else None
+
+    def shape_error(self, vcpus: int, memory_mib: int) -> str | None:
+        return shape_error(self.to_json(), vcpus, memory_mib)
 
     @property
     def command(self) -> list[str]:
@@ -74,6 +102,9 @@ class TemplateRecord:
             "steps": list(self.steps),
             "built_at": self.built_at,
             "build_seconds": self.build_seconds,
+            "snapshot": self.snapshot,
+            "vcpus": self.vcpus,
+            "memory_mib": self.memory_mib,
         }
 
     @classmethod
@@ -96,4 +127,7 @@ class TemplateRecord:
             steps=list(data.get("steps") or []),
             built_at=str(data.get("built_at", "")),
             build_seconds=float(data.get("build_seconds", 0.0)),
+            snapshot=data.get("snapshot"),
+            vcpus=data.get("vcpus"),
+            memory_mib=data.get("memory_mib"),
         )

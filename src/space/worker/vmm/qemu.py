@@ -506,12 +506,16 @@ class QemuDriver(Driver):
         if not state.exists():
             raise VMMError(f"snapshot {snapshot.path} has no {snapshot.files['state']}")
         memory = snapshot.files.get("memory")
-        # A snapshot's memory file is mapped privately: the guest reads its pages as it touches
-        # them, clones share those they have not written, and what a clone writes is its own.
-        config = config.with_changes(
-            memory_file=snapshot.path / memory if memory else None, memory_shared=False
-        )
-        if config.memory_file is not None and not config.memory_file.is_file():
+        if memory:
+            # A snapshot's memory file is mapped privately: the guest reads its pages as it
+            # touches them, clones share those they have not written, and what a clone writes is
+            # its own.
+            config = config.with_changes(memory_file=snapshot.path / memory, memory_shared=False)
+        elif not (self.mapped_memory and config.memory_shared and not config.free_page_reporting):
+            # A stream is loaded into anonymous memory, unless the caller makes a snapshot
+            # source of it: then into a file of its own that its snapshots keep (no balloon).
+            config = config.with_changes(memory_file=None, memory_shared=False)
+        if memory and not (snapshot.path / memory).is_file():
             raise VMMError(f"snapshot {snapshot.path} has no {memory}")
         # QEMU reads the state straight from an inherited descriptor: no `cat`, no pipe. A
         # stream that leaves RAM out is read only once the capability that says so is set.

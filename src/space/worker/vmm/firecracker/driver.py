@@ -195,6 +195,7 @@ class FirecrackerDriver(Driver):
         self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path, *, paused: bool = False
     ) -> FirecrackerVM:
         _check_restorable(snapshot, config)
+        config = config.with_changes(memory_file=None, memory_shared=False)  # its own file, always
         state_file = snapshot.path / snapshot.files["state"]
         memory_file = snapshot.path / snapshot.files["memory"]
         # Drives are found by the names the snapshot recorded: other files under those names
