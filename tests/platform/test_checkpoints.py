@@ -214,6 +214,15 @@ def test_a_checkpoint_becomes_a_template_whose_sandboxes_start_as_it_was(
         assert str(ck["id"]) in tpl["built"]["source"]
         base = POOL / "workers" / str(tpl["worker_id"]) / "base" / "ck-tpl-1-256"
         assert (base / "memory.bin").is_file()  # mapped, as every base snapshot here
+        # The same through the CLI (and so the SDK), with the worker's log as progress.
+        env = {**os.environ, "SPACE_API_URL": platform.api_url,
+               "SPACE_API_KEY": platform.admin_key}  # fmt: skip
+        cmd = [sys.executable, "-m", "space.cli.main", "checkpoint", "template", sid, ck["id"]]
+        r = subprocess.run([*cmd, "ck-cli"], env=env, capture_output=True, timeout=300,
+                           check=False)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.decode().split()[0] == "ck-cli" and b"base snapshot ready" in r.stderr
+        assert admin.delete("/v1/templates/ck-cli").status_code == 200
         # The template has copies of what it needs: its checkpoint and sandbox may go.
         assert admin.delete(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"
 

@@ -141,3 +141,51 @@ async def test_clones_share_a_base_snapshots_memory_and_cannot_change_it(
         for m in clones:
             await m.close()
         shutil.rmtree(snap.path)
+
+
+async def test_a_stream_restored_as_a_snapshot_source_becomes_a_mapped_snapshot(
+    runtime: LocalRuntime,
+) -> None:
+    """How a checkpoint (a stream) becomes a template's base snapshot: restored with its RAM in
+    a file of its own, whose next snapshot keeps that file for clones to map."""
+    made: list[Path] = []
+
+    async def snapshot(m: Machine) -> SnapshotInfo:
+        snap = await m.snapshot(runtime.pool.snapshots / f"test-{m.id}")
+        made.append(snap.path)
+        return snap
+
+    try:
+        async with await Machine.boot(
+            runtime.driver, runtime.pool, runtime.images, snapshot_source=True
+        ) as origin:
+            base = await snapshot(origin)
+        async with await Machine.restore(runtime.driver, runtime.pool, base) as sandbox:
+            await sandbox.agent.run("echo kept > /run/mark")
+            pid = int((await sandbox.agent.run("sleep 600 >/dev/null 2>&1 & echo $!")).stdout)
+            checkpoint = await snapshot(sandbox)
+        assert "memory" not in checkpoint.files
+        async with await Machine.restore(
+            runtime.driver, runtime.pool, checkpoint, snapshot_source=True
+        ) as source:
+            assert source.vm.config.memory_file == source.run_dir / "memory.bin"
+            assert source.vm.config.memory_shared
+            template = await snapshot(source)
+        assert "memory" in template.files
+        assert (template.path / template.files["state"]).stat().st_size < 4 << 20
+        async with await Machine.restore(runtime.driver, runtime.pool, template) as clone:
+            assert clone.vm.config.memory_file == template.path / template.files["memory"]
+            assert (await clone.agent.run("cat /run/mark")).stdout == b"kept\n"
+            assert (await clone.agent.run(["kill", "-0", str(pid)])).exit_code == 0
+
+        # A stream of a VM with a balloon cannot have its RAM in a file: it loads as before.
+        async with await Machine.boot(runtime.driver, runtime.pool, runtime.images) as cold:
+            ballooned = await snapshot(cold)
+        async with await Machine.restore(
+            runtime.driver, runtime.pool, ballooned, snapshot_source=True
+        ) as source:
+            assert source.vm.config.memory_file is None
+            assert source.vm.config.free_page_reporting
+    finally:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)

@@ -3,6 +3,7 @@ through the HTTP API."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import click
@@ -25,7 +26,8 @@ def _sandbox(space: Space, sandbox_id: str) -> Sandbox:
 
 @click.group()
 def checkpoint() -> None:
-    """Checkpoints: a sandbox's memory and disk at one moment, to roll back to or fork from."""
+    """Checkpoints: a sandbox's memory and disk at one moment, to roll back to, fork from or
+    make a template of."""
 
 
 @checkpoint.command("create")
@@ -78,6 +80,29 @@ def rollback(space: Space, sandbox_id: str, checkpoint_id: str) -> None:
     """Roll a running sandbox back to a checkpoint: its processes and files as they were."""
     info = _sandbox(space, sandbox_id).rollback(checkpoint_id)
     click.echo(f"{info.id} {info.state}")
+
+
+@checkpoint.command("template")
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
+@click.argument("checkpoint_id")
+@click.argument("name")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="seconds")
+@_api_command
+def template(space: Space, sandbox_id: str, checkpoint_id: str, name: str, timeout: float) -> None:
+    """Make template NAME of a checkpoint (admin keys only): sandboxes of it start as the
+    checkpoint was, processes running. Streams the worker's log; prints NAME and its digest."""
+    space.template_from_checkpoint(name, sandbox_id, checkpoint_id)
+    for line in space.build_log(name):
+        click.echo(line, err=True)
+    # The log ends with the build; its outcome reaches the API a moment later.
+    deadline = time.monotonic() + timeout
+    while (made := space.template(name)).state in ("queued", "building"):
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"template {name} is still {made.state}")
+        time.sleep(0.2)
+    if made.state != "ready":
+        raise click.ClickException(f"template {name}: {made.state}: {made.error}")
+    click.echo(f"{name} {(made.built or {}).get('digest')}")
 
 
 @click.command()

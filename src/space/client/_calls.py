@@ -399,6 +399,11 @@ def build_template(name: str, spec: Path, environ: Mapping[str, str]) -> Call[Te
     return Call("POST", _template(name, "/builds"), _json(TemplateInfo.from_json), body=body)
 
 
+def template_from_checkpoint(name: str, sandbox_id: str, checkpoint_id: str) -> Call[TemplateInfo]:
+    body = {"checkpoint": {"sandbox_id": sandbox_id, "checkpoint_id": checkpoint_id}}
+    return Call("POST", _template(name, "/builds"), _json(TemplateInfo.from_json), body=body)
+
+
 def build_log(name: str) -> Call[None]:
     return Call("GET", _template(name, "/build/log"), _nothing, unbounded=True)
 

@@ -115,6 +115,16 @@ class Space:
         of the variables it names for registry credentials. Follow it with `build_log`."""
         return self._call(calls.build_template(name, Path(spec), environ or {}))
 
+    def template_from_checkpoint(
+        self, name: str, sandbox_id: str, checkpoint: str | CheckpointInfo
+    ) -> TemplateInfo:
+        """Start making template `name` of one of your checkpoints (admin keys only): its disk,
+        and its memory with the processes running, so sandboxes of it start as it was, in its
+        shape. Follow it with `build_log`."""
+        return self._call(
+            calls.template_from_checkpoint(name, sandbox_id, checkpoint_id_of(checkpoint))
+        )
+
     def build_log(self, name: str) -> Iterator[str]:
         """The lines of the template's last build log, as they come, until the build ends."""
         buf = b""
