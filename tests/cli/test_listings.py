@@ -26,6 +26,7 @@ VOLUME_KEYS = {"id", "name", "size_mib", "state", "created_at"}
 TEMPLATE_KEYS = {
     "name", "digest", "path", "source", "source_digest", "rootfs", "size_bytes", "env", "workdir",
     "user", "entrypoint", "cmd", "start", "ready", "steps", "built_at", "build_seconds",
+    "snapshot", "vcpus", "memory_mib",
 }  # fmt: skip
 VM_KEYS = {"id", "alive", "pid", "vcpus", "memory_mib", "hostname"}
 
