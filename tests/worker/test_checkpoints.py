@@ -6,6 +6,7 @@ halfway for real (the last children find no room after the first ones were made)
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import uuid
 from collections.abc import AsyncIterator
@@ -146,3 +147,77 @@ async def test_bad_requests_are_refused_clearly(worker: Worker) -> None:
     assert unfenced.status_code in (400, 428)
     assert (await worker.http.delete("/vms/parent")).status_code == 204
     assert not (worker.manager.layout.checkpoints / "parent").exists()
+
+
+async def test_a_template_of_a_checkpoint_that_does_not_restore_leaves_nothing(
+    worker: Worker,
+) -> None:
+    """The base snapshot is made before the build says ready; if that fails, the template is
+    removed again and the worker does not offer it."""
+    assert (await worker.http.put("/vms/tsrc", json={"hostname": "tsrc"})).status_code == 200
+    assert (await worker.http.post("/vms/tsrc/checkpoints/t1")).status_code == 200
+    name = f"cut-{uuid.uuid4().hex[:6]}"
+
+    async def build(body: dict[str, object], template: str = name) -> int:
+        resp = await worker.http.post(f"/templates/{template}/builds", json=body)
+        return resp.status_code
+
+    good = {"checkpoint": {"vm_id": "tsrc", "checkpoint_id": "t1"}}
+    assert await build({"checkpoint": {"vm_id": "tsrc", "checkpoint_id": "nope"}}) == 400
+    assert await build(good, "base") == 400
+    assert await build({**good, "spec": "[template]"}) == 400
+    state = worker.manager.layout.checkpoints / "tsrc" / "t1" / "state.bin"
+    state.write_bytes(state.read_bytes()[: 1 << 20])  # a stream cut short: it cannot load
+    resp = await worker.http.post(f"/templates/{name}/builds", json=good)
+    assert resp.status_code == 202, resp.text
+    build_id = resp.json()["id"]
+    for _ in range(600):
+        status = (await worker.http.get(f"/builds/{build_id}")).json()
+        if status["state"] != "building":
+            break
+        await asyncio.sleep(0.1)
+    assert status["state"] == "failed" and status["record"] is None, status
+    assert status["error"].startswith("checkpoint t1 did not restore: "), status
+    assert not (worker.manager.pool.root / "templates" / name).exists()
+    assert name not in worker.manager.records
+    resp = await worker.http.put("/vms/tuser", json={"template": name})
+    assert resp.status_code == 404, resp.text
+    await worker.http.delete("/vms/tsrc")
+
+
+async def test_a_template_of_a_checkpoint_whose_memory_no_longer_loads_boots_from_its_files(
+    worker: Worker,
+) -> None:
+    assert (await worker.http.put("/vms/tsrc2", json={"hostname": "tsrc2"})).status_code == 200
+    pid = (await worker.run("tsrc2", COUNTER)).strip()
+    await worker.run("tsrc2", "echo kept > /root/kept")
+    assert (await worker.http.post("/vms/tsrc2/checkpoints/t2")).status_code == 200
+    name = f"kept-{uuid.uuid4().hex[:6]}"
+    body = {"checkpoint": {"vm_id": "tsrc2", "checkpoint_id": "t2"}}
+    resp = await worker.http.post(f"/templates/{name}/builds", json=body)
+    assert resp.status_code == 202, resp.text
+    for _ in range(600):
+        if (await worker.http.get(f"/builds/{resp.json()['id']}")).json()["state"] != "building":
+            break
+        await asyncio.sleep(0.1)
+    record = worker.manager.records[name]
+    try:
+        assert (await worker.http.put("/vms/tkid", json={"template": name})).json()["boot"] == (
+            "restore"
+        )
+        assert await alive(worker, "tkid", pid)
+        await worker.http.delete("/vms/tkid")
+        # Another QEMU or kernel: neither its base snapshot nor its checkpoint loads any more.
+        assert record.snapshot_path is not None
+        state = record.snapshot_path / "state.bin"
+        state.write_bytes(state.read_bytes()[: 1 << 20])
+        shutil.rmtree(worker.manager.layout.base / f"{name}-1-256")
+        resp = await worker.http.put("/vms/tkid", json={"template": name})
+        assert resp.status_code == 200 and resp.json()["boot"] == "cold", resp.text
+        assert await worker.run("tkid", "cat /root/kept") == "kept\n"
+        # Its files, not its processes: no counter loop runs (the pattern does not match itself).
+        assert await worker.run("tkid", "grep -l 'whil[e] true' /proc/[0-9]*/cmdline; true") == ""
+    finally:
+        for vm in ("tkid", "tsrc2"):
+            await worker.http.delete(f"/vms/{vm}")
+        await worker.http.delete(f"/templates/{name}")

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from space.worker.agent_client import AgentError
 from space.worker.api.models import TEMPLATE
 from space.worker.sandboxes import VMManager, checkpoints
 from space.worker.sandboxes.errors import InvalidArgument, VMNotFound
@@ -34,6 +35,7 @@ from space.worker.templates import (
     build_template,
     parse_spec,
 )
+from space.worker.vmm.base import VMMError
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,8 @@ class Builds:
                 )
             except (VMNotFound, InvalidArgument) as e:
                 raise BuildError(str(e)) from None
+            except (VMMError, AgentError, TimeoutError) as e:
+                raise BuildError(f"checkpoint {checkpoint_id} did not restore: {e}") from None
 
         return self._run(name, request_id, job)
 

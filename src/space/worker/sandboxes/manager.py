@@ -360,21 +360,28 @@ class VMManager:
         ("restore"; "cold" if that snapshot had to be built first), or booted ("cold")."""
         drives = await self.volumes.drives(spec.volumes)
         if self.options.base_snapshots:
-            base, built = await self.snapshots.get(
-                spec.template, spec.vcpus, spec.memory_mib, images,
-                self.records.get(spec.template),
-            )  # fmt: skip
             try:
-                machine = await Machine.restore(
-                    self.driver, self.pool, base, vm_id=vm_id, hostname=spec.hostname,
-                    vms_dir=self.layout.vms, drives=drives, tap_fd=tap_fd,
+                base, built = await self.snapshots.get(
+                    spec.template, spec.vcpus, spec.memory_mib, images,
+                    self.records.get(spec.template),
                 )  # fmt: skip
-                return machine, "cold" if built else "restore"
             except (VMMError, AgentError, TimeoutError) as e:
-                # A snapshot that no longer restores (e.g. a QEMU upgrade) must not stop creates:
-                # this one boots, and the next one builds the base again.
-                log.warning("base snapshot %s failed to restore, booting instead: %s", base.path, e)
-                self.snapshots.drop(base.path)
+                # A template made of a checkpoint whose memory no longer loads (another kernel,
+                # another QEMU) still has its files: its sandboxes boot from them.
+                log.warning("no base snapshot of %s, booting instead: %s", spec.template, e)
+            else:
+                try:
+                    machine = await Machine.restore(
+                        self.driver, self.pool, base, vm_id=vm_id, hostname=spec.hostname,
+                        vms_dir=self.layout.vms, drives=drives, tap_fd=tap_fd,
+                    )  # fmt: skip
+                    return machine, "cold" if built else "restore"
+                except (VMMError, AgentError, TimeoutError) as e:
+                    # A snapshot that no longer restores (e.g. a QEMU upgrade) must not stop
+                    # creates: this one boots, and the next one builds the base again.
+                    log.warning("base snapshot %s failed to restore, booting instead: %s",
+                                base.path, e)  # fmt: skip
+                    self.snapshots.drop(base.path)
         machine = await Machine.boot(
             self.driver, self.pool, images, vm_id=vm_id, vcpus=spec.vcpus,
             memory_mib=spec.memory_mib, hostname=spec.hostname, vms_dir=self.layout.vms,
