@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from space.worker.local import LocalRuntime
-from space.worker.machine import Machine
+from space.worker.machine import Machine, remap
 from space.worker.vmm.base import SnapshotInfo, VMConfig, VMMError
 from space.worker.vmm.qemu import QemuDriver
 
@@ -143,17 +143,21 @@ async def test_clones_share_a_base_snapshots_memory_and_cannot_change_it(
         shutil.rmtree(snap.path)
 
 
-async def test_a_stream_restored_as_a_snapshot_source_becomes_a_mapped_snapshot(
-    runtime: LocalRuntime,
-) -> None:
-    """How a checkpoint (a stream) becomes a template's base snapshot: restored with its RAM in
-    a file of its own, whose next snapshot keeps that file for clones to map."""
+async def test_a_stream_saved_again_by_remap_is_a_mapped_snapshot(runtime: LocalRuntime) -> None:
+    """How a checkpoint (a stream) becomes a template's base snapshot or a fork's source: its
+    state loaded once into a VM whose RAM is a file, and saved at once; clones map that file."""
     made: list[Path] = []
 
     async def snapshot(m: Machine) -> SnapshotInfo:
         snap = await m.snapshot(runtime.pool.snapshots / f"test-{m.id}")
         made.append(snap.path)
         return snap
+
+    async def remapped(snap: SnapshotInfo) -> SnapshotInfo:
+        dest = runtime.pool.snapshots / f"test-remap-{snap.path.name}"
+        made.append(dest)
+        return await remap(runtime.driver, snap, dest, vm_id=f"remap-{snap.config.vm_id}",
+                           vms_dir=runtime.pool.vms)  # fmt: skip
 
     try:
         async with await Machine.boot(
@@ -165,27 +169,20 @@ async def test_a_stream_restored_as_a_snapshot_source_becomes_a_mapped_snapshot(
             pid = int((await sandbox.agent.run("sleep 600 >/dev/null 2>&1 & echo $!")).stdout)
             checkpoint = await snapshot(sandbox)
         assert "memory" not in checkpoint.files
-        async with await Machine.restore(
-            runtime.driver, runtime.pool, checkpoint, snapshot_source=True
-        ) as source:
-            assert source.vm.config.memory_file == source.run_dir / "memory.bin"
-            assert source.vm.config.memory_shared
-            template = await snapshot(source)
+        template = await remapped(checkpoint)
         assert "memory" in template.files
         assert (template.path / template.files["state"]).stat().st_size < 4 << 20
+        assert template.config.agent_token == checkpoint.config.agent_token  # it never ran
+        assert not list(runtime.pool.vms.glob("remap-*"))  # its VM is gone
         async with await Machine.restore(runtime.driver, runtime.pool, template) as clone:
             assert clone.vm.config.memory_file == template.path / template.files["memory"]
             assert (await clone.agent.run("cat /run/mark")).stdout == b"kept\n"
             assert (await clone.agent.run(["kill", "-0", str(pid)])).exit_code == 0
 
-        # A stream of a VM with a balloon cannot have its RAM in a file: it loads as before.
+        # A stream of a VM with a balloon cannot have its RAM in a file: it stays a stream.
         async with await Machine.boot(runtime.driver, runtime.pool, runtime.images) as cold:
             ballooned = await snapshot(cold)
-        async with await Machine.restore(
-            runtime.driver, runtime.pool, ballooned, snapshot_source=True
-        ) as source:
-            assert source.vm.config.memory_file is None
-            assert source.vm.config.free_page_reporting
+        assert "memory" not in (await remapped(ballooned)).files
     finally:
         for path in made:
             shutil.rmtree(path, ignore_errors=True)

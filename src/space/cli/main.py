@@ -36,7 +36,8 @@ COMMANDS = {
     ),
     "checkpoint": LazyCommand(
         "space.cli.checkpoints:checkpoint",
-        "Checkpoints: a sandbox's memory and disk at one moment, to roll back to or fork from.",
+        "Checkpoints: a sandbox's memory and disk at one moment, to roll back to, fork from or "
+        "make a template of.",
     ),
     "fork": LazyCommand(
         "space.cli.checkpoints:fork",

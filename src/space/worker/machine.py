@@ -211,7 +211,6 @@ class Machine:
         drives: tuple[Drive, ...] | None = None,
         tap_fd: int | None = None,
         before_start: Callable[[Path], Awaitable[None]] | None = None,
-        snapshot_source: bool = False,
     ) -> Machine:
         """Start a VM from a snapshot and give it an identity of its own.
 
@@ -220,8 +219,7 @@ class Machine:
         drives (as many as it has); the guest sees them once it probes those devices again.
         `before_start(run_dir)` runs once the state is loaded and before the guest runs: a
         caller retires the snapshot there, so that a running guest and a snapshot it has
-        outgrown never both look current. A `snapshot_source` is restored to be snapshotted
-        again as a base snapshot: its RAM goes into a file where the driver can map one.
+        outgrown never both look current.
         """
         t0 = time.perf_counter()
         vm_id = vm_id or new_vm_id()
@@ -230,8 +228,6 @@ class Machine:
             disk = run_dir / DISK
             await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
             config = snapshot.config.with_changes(vm_id=vm_id, rootfs=disk, tap_fd=tap_fd)
-            if snapshot_source:
-                config = config.with_changes(memory_file=run_dir / MEMORY_FILE, memory_shared=True)
             if drives is not None:
                 config = config.with_changes(drives=drives)
             t1 = time.perf_counter()
@@ -335,6 +331,40 @@ class Machine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def remap(
+    driver: Driver,
+    snapshot: SnapshotInfo,
+    dest: Path,
+    *,
+    vm_id: str,
+    vms_dir: Path,
+    drives: tuple[Drive, ...] | None = None,
+    tap_fd: int | None = None,
+) -> SnapshotInfo:
+    """`snapshot` saved again into `dest` with its memory as a file that restores map, where
+    the driver keeps RAM in files: its state is loaded once into a VM whose RAM is such a file
+    and saved at once, the guest never running. Restores of a stream each copy all of it;
+    restores of the new snapshot read pages as they touch them and share those none wrote."""
+    run_dir = _make_run_dir(vms_dir, vm_id)
+    try:
+        disk = run_dir / DISK
+        await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
+        config = snapshot.config.with_changes(
+            vm_id=vm_id, rootfs=disk, tap_fd=tap_fd, memory_file=run_dir / MEMORY_FILE,
+            memory_shared=True,
+        )  # fmt: skip
+        if drives is not None:
+            config = config.with_changes(drives=drives)
+        vm = await driver.restore(snapshot, config, run_dir, paused=True)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    try:
+        return await vm.snapshot(dest)
+    finally:
+        await _discard(vm)
 
 
 def _make_run_dir(vms_dir: Path, vm_id: str) -> Path:

@@ -1,11 +1,15 @@
 """Forks: running children made from a sandbox's state while it runs on, or from a checkpoint.
 
 The parent is snapshotted as a checkpoint is (a short pause), into a hidden directory under its
-checkpoints; every child is a restore of that snapshot under its own id, with a network of its
-own (its own namespace, tap and egress policy), a hostname, a fresh agent token, our clock, a
-reseeded RNG and the caller's environment, as a restore of a base snapshot gets. The snapshot is
-removed once the children run. If any child fails, every child made is deleted again before
-the call answers, so a failed fork leaves nothing.
+checkpoints. For more than one child that stream is loaded once into a VM whose memory is a
+file, and saved again (`machine.remap`): the children map that file, reading the pages they
+touch and sharing those none of them writes, instead of each copying the whole stream.
+
+Every child is a restore of that snapshot under its own id, with a network of its own (its own
+namespace, tap and egress policy), a hostname, a fresh agent token, our clock, a reseeded RNG
+and the caller's environment, as a restore of a base snapshot gets. The snapshots are removed
+once the children run. If any child fails, every child made is deleted again before the call
+answers, so a failed fork leaves nothing.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from space.gateway.policy import Policy
-from space.worker.machine import Machine
+from space.worker.machine import Machine, remap
 from space.worker.sandboxes import checkpoints
 from space.worker.sandboxes.capacity import Claim
 from space.worker.sandboxes.errors import InvalidArgument, WrongState
@@ -68,13 +73,18 @@ async def fork(
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
             raise
+    mapped = None
     try:
+        if len(children) > 1 and manager.driver.mapped_memory and "memory" not in snap.files:
+            mapped = checkpoints.directory(manager, parent.id) / f".fork-{uuid.uuid4().hex[:8]}"
+            snap = await _mapped(manager, parent, snap, mapped)
         made = await asyncio.gather(
             *(_child(manager, parent, snap, c) for c in children), return_exceptions=True
         )
     finally:
-        if tmp is not None:
-            await asyncio.to_thread(shutil.rmtree, tmp, True)
+        for path in (tmp, mapped):
+            if path is not None:
+                await asyncio.to_thread(shutil.rmtree, path, True)
     failed = [r for r in made if isinstance(r, BaseException)]
     if failed:
         for r in made:
@@ -85,6 +95,18 @@ async def fork(
                     len(made) - len(failed), failed[0])  # fmt: skip
         raise failed[0]
     return [r for r in made if isinstance(r, SandboxVM)], paused_ms
+
+
+async def _mapped(
+    manager: VMManager, parent: SandboxVM, snap: SnapshotInfo, dest: Path
+) -> SnapshotInfo:
+    """The snapshot with its memory as a file, so that the children map it (sharing the pages
+    none of them writes) rather than each copy the whole stream."""
+    vm_id = f"fork-{parent.id}-{uuid.uuid4().hex[:6]}"
+    async with manager.build_network(vm_id, Policy()) as tap_fd:
+        return await remap(manager.driver, snap, dest, vm_id=vm_id,
+                           vms_dir=manager.layout.building,
+                           drives=await manager.volumes.drives(()), tap_fd=tap_fd)  # fmt: skip
 
 
 async def _child(

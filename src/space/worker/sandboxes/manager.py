@@ -101,7 +101,7 @@ class VMManager:
         self.egress = egress
         self.volumes = Volumes(self.layout.volumes, self.layout.empty_slot)
         self.snapshots = BaseSnapshots(
-            driver, pool, self.layout, self.volumes, self._build_network,
+            driver, pool, self.layout, self.volumes, self.build_network,
             self.egress.gateway.ca_pem if self.egress is not None else None,
         )  # fmt: skip
         self._policies: dict[str, Policy] = {}  # in force, in memory only (they hold secrets)
@@ -538,7 +538,7 @@ class VMManager:
             os.close(fd)
 
     @contextlib.asynccontextmanager
-    async def _build_network(self, vm_id: str, policy: Policy) -> AsyncIterator[int | None]:
+    async def build_network(self, vm_id: str, policy: Policy) -> AsyncIterator[int | None]:
         """A network for a VM of the worker's own (a base snapshot's), removed at the end."""
         try:
             async with self.network(vm_id, policy) as fd:

@@ -5,8 +5,8 @@ The first create of a shape boots a VM under `building/`, sets it up as every sa
 template starts (the gateway's CA, the template's service), snapshots it into a hidden
 directory of `base/`, writes down what it was made from and renames it into place: a crash
 leaves no half-made snapshot that a restore could pick up. A template made from a checkpoint
-has one shape, the checkpoint's: its VM is restored from that checkpoint instead, already set
-up, its processes running, and snapshotted the same way (so its RAM becomes a file to map).
+has one shape, the checkpoint's: its base snapshot is that checkpoint saved again with its
+memory as a file to map (`machine.remap`), already set up, its processes as they were.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from space.gateway.policy import Policy
 from space.worker.api.models import VOLUME_SLOTS
-from space.worker.machine import BootImages, Machine
+from space.worker.machine import BootImages, Machine, remap
 from space.worker.network import GUEST_MAC
 from space.worker.sandboxes import guest
 from space.worker.sandboxes.records import Layout, fsync_tree, rename_durable, write_durable
@@ -110,13 +110,9 @@ class BaseSnapshots:
             build_id = f"base-{key}-{uuid.uuid4().hex[:6]}"
             # A NIC too when sandboxes get one (a restore needs the same devices); no egress.
             async with self.network(build_id, Policy()) as tap_fd:
-                machine = await self._source(build_id, vcpus, memory_mib, images, record, tap_fd)
                 tmp = self.layout.base / f".{key}.{uuid.uuid4().hex[:8]}"
                 try:
-                    async with machine:
-                        if record is None or record.snapshot is None:
-                            await self._set_up(machine, record)
-                        await machine.snapshot(tmp)
+                    await self._take(tmp, build_id, vcpus, memory_mib, images, record, tap_fd)
                     write_durable(tmp / IMAGES_FILE, json.dumps(made_from))
                     await asyncio.to_thread(fsync_tree, tmp)
                     shutil.rmtree(path, ignore_errors=True)
@@ -127,25 +123,26 @@ class BaseSnapshots:
             log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
             return SnapshotInfo.load(path), True
 
-    async def _source(
-        self, build_id: str, vcpus: int, memory_mib: int, images: BootImages,
+    async def _take(
+        self, dest: Path, build_id: str, vcpus: int, memory_mib: int, images: BootImages,
         record: TemplateRecord | None, tap_fd: int | None,
-    ) -> Machine:  # fmt: skip
-        """The VM a base snapshot is taken of: booted, or restored from the checkpoint that a
-        template was made of (its processes running as they were)."""
+    ) -> None:  # fmt: skip
+        """Boot a VM, set it up and snapshot it; or, for a template made of a checkpoint, save
+        that checkpoint again with its memory as a file (its processes as they were)."""
         drives = await self.volumes.drives(())
         checkpoint = record.snapshot_path if record is not None else None
-        if checkpoint is None:
-            return await Machine.boot(
-                self.driver, self.pool, images, vm_id=build_id, vcpus=vcpus,
-                memory_mib=memory_mib, vms_dir=self.layout.building, drives=drives, tap_fd=tap_fd,
-                guest_mac=GUEST_MAC if tap_fd is not None else None, snapshot_source=True,
-            )  # fmt: skip
-        # Of the checkpoint's own shape: the manager refuses creates of any other.
-        return await Machine.restore(
-            self.driver, self.pool, SnapshotInfo.load(checkpoint), vm_id=build_id,
-            vms_dir=self.layout.building, drives=drives, tap_fd=tap_fd, snapshot_source=True,
-        )  # fmt: skip
+        if checkpoint is not None:
+            # Of the checkpoint's own shape: the manager refuses creates of any other.
+            await remap(self.driver, SnapshotInfo.load(checkpoint), dest, vm_id=build_id,
+                        vms_dir=self.layout.building, drives=drives, tap_fd=tap_fd)  # fmt: skip
+            return
+        async with await Machine.boot(
+            self.driver, self.pool, images, vm_id=build_id, vcpus=vcpus, memory_mib=memory_mib,
+            vms_dir=self.layout.building, drives=drives, tap_fd=tap_fd,
+            guest_mac=GUEST_MAC if tap_fd is not None else None, snapshot_source=True,
+        ) as machine:  # fmt: skip
+            await self._set_up(machine, record)
+            await machine.snapshot(dest)
 
     async def _set_up(self, machine: Machine, record: TemplateRecord | None) -> None:
         """As every sandbox of the template starts: the gateway's CA, the template's service."""
