@@ -3,8 +3,9 @@
 Every figure has a baseline measured in the same run:
   - the guest's pause for a checkpoint  vs  a suspend and resume of the same VM (the way to keep
     its state before checkpoints)
-  - a fork into K running children  vs  K creates (restores of the base snapshot) at once, and
-    vs a fork of an idle VM of the same shape
+  - a fork into K running children  vs  the same fork as it was before forks mapped memory
+    (every child copying the stream), vs K creates (restores of the base snapshot) at once,
+    and vs a fork of an idle VM of the same shape; with the children's PSS both ways
 
 The worker's sandbox manager is driven directly (no HTTP, no network namespaces: a fork through
 the API adds its calls and ~30 ms of network set-up per child, in parallel).
@@ -33,6 +34,7 @@ from space.worker.agent_client import AgentClient, AgentError
 from space.worker.local import local_runtime
 from space.worker.sandboxes import ManagerOptions, VMManager
 from space.worker.sandboxes.forks import Child
+from space.worker.sandboxes.usage import pss_bytes
 
 MEMORY_MIB = 512
 TOUCH_MIB = 200
@@ -134,12 +136,24 @@ async def bench(m: VMManager, runs: int, k: int) -> dict[str, Any]:
     out["baseline_suspend"] = stats(suspend)
     out["baseline_resume"] = stats(resume)
 
-    async def fork_of(vm_id: str) -> float:
+    pss: dict[str, list[float]] = {"mapped": [], "copied": []}
+
+    async def fork_of(vm_id: str, copied: bool = False) -> float:
+        """A fork's time; with `copied`, as forks were before: every child copies the stream."""
         kids = [Child(f"k{uuid.uuid4().hex[:6]}", "kid", {}) for _ in range(k)]
-        t = time.perf_counter()
-        made, _ = await m.fork(vm_id, kids)
-        elapsed = (time.perf_counter() - t) * 1000
+        mapped = m.driver.mapped_memory
+        m.driver.mapped_memory = mapped and not copied
+        try:
+            t = time.perf_counter()
+            made, _ = await m.fork(vm_id, kids)
+            elapsed = (time.perf_counter() - t) * 1000
+        finally:
+            m.driver.mapped_memory = mapped
         assert len(made) == k and all(sb.state == "running" for sb in made)
+        if vm_id == "busy":
+            pids = [sb.machine.status().pid for sb in made if sb.machine is not None]
+            total = sum(pss_bytes(pid) or 0 for pid in pids if pid is not None)
+            pss["copied" if copied else "mapped"].append(total / k / (1 << 20))
         for sb in made:
             await m.delete(sb.id)
         return elapsed
@@ -153,14 +167,17 @@ async def bench(m: VMManager, runs: int, k: int) -> dict[str, Any]:
             await m.delete(i)
         return elapsed
 
-    forks, idle_forks, base = [], [], []
+    forks, copied, idle_forks, base = [], [], [], []
     for _ in range(max(3, runs // 2)):
         forks.append(await fork_of("busy"))
+        copied.append(await fork_of("busy", copied=True))
         idle_forks.append(await fork_of("idle"))
         base.append(await creates())
     out[f"fork_{k}_busy"] = stats(forks)
+    out[f"baseline_fork_{k}_busy_copied"] = stats(copied)
     out[f"fork_{k}_idle"] = stats(idle_forks)
     out[f"baseline_{k}_creates"] = stats(base)
+    out["fork_child_pss_mib"] = {how: statistics.median(v) for how, v in pss.items() if v}
     print(f"fork: {out[f'fork_{k}_busy']}", file=sys.stderr)
     return out
 
@@ -177,6 +194,10 @@ def table(results: dict[str, Any], k: int) -> str:
         ("baseline: suspend of the same VM", "baseline_suspend"),
         ("baseline: resume of the same VM", "baseline_resume"),
         (f"fork into {k} running children (200 MiB touched)", f"fork_{k}_busy"),
+        (
+            "baseline: the same fork, each child copying the stream",
+            f"baseline_fork_{k}_busy_copied",
+        ),
         (f"fork into {k} running children (idle VM)", f"fork_{k}_idle"),
         (f"baseline: {k} creates at once (restores of the base snapshot)", f"baseline_{k}_creates"),
     ]
@@ -186,6 +207,8 @@ def table(results: dict[str, Any], k: int) -> str:
         lines.append(f"| {label} | {s['p50_ms']:,.0f} ms | {s['p90_ms']:,.0f} ms | "
                      f"{s['max_ms']:,.0f} ms |")  # fmt: skip
     lines.append(f"\ncheckpoint size on the pool: {results['checkpoint_size_mb']:.0f} MB")
+    for how, mib in results["fork_child_pss_mib"].items():
+        lines.append(f"PSS per child of a fork of the busy VM, {how}: {mib:.0f} MiB")
     return "\n".join(lines)
 
 
