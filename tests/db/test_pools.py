@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from space.controller.pools import Pools
 from space.db import migrate
 from space.db import tables as t
-from space.db.store import POOL_TENANT, Row, Store, connect
+from space.db.store import POOL_TENANT, Refused, Row, Store, connect
 from space.settings import PoolSettings
 from tests.db.conftest import clean
 
@@ -167,3 +167,31 @@ async def test_a_confirmed_claim_is_the_tenants_and_an_abandoned_one_never_is(
     assert dropped["tenant_id"] == POOL_TENANT and dropped["desired_state"] == "deleted"
     assert dropped["reason"] == "claim failed: agent gone"
     assert await store.claim_member(CLAIM_VALUES, "three") is None
+
+
+async def test_a_template_made_of_a_checkpoint_takes_its_shape_and_so_does_its_pool(
+    store: Store,
+) -> None:
+    await worker(store, "w1", memory_mib=8192)
+    record = {"name": "ck", "size_bytes": 1 << 20}
+    await store.request_build("ck", "r1", "[template]", b"", None)
+    await store.begin_build("ck", "r1", "w1", "b1")
+    await store.finish_build("ck", "b1", record, None)
+    await store.set_pool("ck", 2, 1, 256, 1024)
+    pools = Pools(store, PoolSettings())
+    await pools.tend()
+    assert len(await run_members(store, "w1")) == 2
+
+    # Made again of a checkpoint on another worker: refused, it lives on w1.
+    elsewhere = {"id": "ck-x", "worker_id": "w2"}
+    with pytest.raises(Refused, match="lives on worker w1"):
+        await store.request_build("ck", "r2", "", b"", None, elsewhere)
+    # Of a checkpoint of a 2-vCPU, 512 MiB sandbox on w1: the pool takes that shape.
+    await store.request_build("ck", "r3", "", b"", None, {"id": "ck-y", "worker_id": "w1"})
+    await store.begin_build("ck", "r3", "w1", "b3")
+    await store.finish_build("ck", "b3", {**record, "vcpus": 2, "memory_mib": 512}, None)
+    (tpl,) = await store.templates("ck")
+    assert (tpl["pool_vcpus"], tpl["pool_memory_mib"], tpl["pool_size"]) == (2, 512, 2)
+    assert await store.pool_members() == []
+    dropping = await store.pool_members(dropping=True)
+    assert len(dropping) == 2 and all(m["memory_mib"] == 256 for m in dropping)

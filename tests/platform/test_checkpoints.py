@@ -212,6 +212,8 @@ def test_a_checkpoint_becomes_a_template_whose_sandboxes_start_as_it_was(
         tpl = made(admin, "ck-tpl", body)
         assert tpl["state"] == "ready" and tpl["error"] is None, tpl
         assert str(ck["id"]) in tpl["built"]["source"]
+        assert (tpl["built"]["vcpus"], tpl["built"]["memory_mib"]) == (1, 256)
+        assert c.get("/v1/templates/ck-tpl").json()["built"]["vcpus"] == 1  # shown to every key
         base = POOL / "workers" / str(tpl["worker_id"]) / "base" / "ck-tpl-1-256"
         assert (base / "memory.bin").is_file()  # mapped, as every base snapshot here
         # The same through the CLI (and so the SDK), with the worker's log as progress.

@@ -195,6 +195,8 @@ class Built(BaseModel):
     steps: list[str]
     built_at: str
     build_seconds: float
+    vcpus: int | None = Field(None, description="made of a checkpoint: its sandboxes' vCPUs")
+    memory_mib: int | None = Field(None, description="made of a checkpoint: their memory")
 
 
 class Template(BaseModel):
@@ -224,7 +226,7 @@ class Template(BaseModel):
         record = row["record"]
         built = None
         if record:
-            shown = {k: record[k] for k in Built.model_fields}
+            shown = {k: record[k] for k in Built.model_fields if k in record}
             if not admin:
                 shown.update(BUILT_HIDDEN)
             built = Built.model_validate(shown)

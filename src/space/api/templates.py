@@ -83,7 +83,7 @@ async def build(template_id: str, body: BuildRequest, svc: Svc, caller: Caller) 
     worker for a rebuild). Or make it of one of your checkpoints (on that checkpoint's
     worker): sandboxes of it start as the checkpoint was, processes running, with its shape."""
     require_admin(caller, "build templates")
-    if not TEMPLATE_ID_RE.match(template_id):
+    if not TEMPLATE_ID_RE.fullmatch(template_id):
         raise APIError(400, f"template id {template_id!r} must match {TEMPLATE_ID}")
     if template_id == "base":
         raise APIError(409, "base is the platform's own template (space image base)")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from space.worker.agent_client import AgentError
 from space.worker.api.models import TEMPLATE
-from space.worker.sandboxes import VMManager, checkpoints
+from space.worker.sandboxes import VMManager, checkpoint_templates
 from space.worker.sandboxes.errors import InvalidArgument, VMNotFound
 from space.worker.templates import (
     BuildEnv,
@@ -104,8 +104,8 @@ class Builds:
     def from_checkpoint(
         self, name: str, vm_id: str, checkpoint_id: str, request_id: str = ""
     ) -> Build:
-        """Make template `name` of a checkpoint on this worker (see `checkpoints.to_template`)."""
-        if not re.match(TEMPLATE, name) or name == "base":
+        """Make template `name` of a checkpoint on this worker (`checkpoint_templates`)."""
+        if not re.fullmatch(TEMPLATE, name) or name == "base":
             raise BuildRefused(f"{name!r} cannot name a template (it must match {TEMPLATE})")
         if (same := self._same(name, request_id)) is not None:
             return same
@@ -114,7 +114,7 @@ class Builds:
 
         async def job(build_log: BuildLog) -> TemplateRecord:
             try:
-                return await checkpoints.to_template(
+                return await checkpoint_templates.make(
                     self.manager, vm_id, checkpoint_id, name, build_log
                 )
             except (VMNotFound, InvalidArgument) as e:

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from space.worker.agent_client import AgentClient, AgentConnectionLost, AgentError
 from space.worker.storage.pool import Pool
@@ -224,17 +225,8 @@ class Machine:
         t0 = time.perf_counter()
         vm_id = vm_id or new_vm_id()
         run_dir = _make_run_dir(vms_dir or pool.vms, vm_id)
-        try:
-            disk = run_dir / DISK
-            await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
-            config = snapshot.config.with_changes(vm_id=vm_id, rootfs=disk, tap_fd=tap_fd)
-            if drives is not None:
-                config = config.with_changes(drives=drives)
-            t1 = time.perf_counter()
-            vm = await driver.restore(snapshot, config, run_dir, paused=before_start is not None)
-        except BaseException:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            raise
+        vm, disk_s = await _load(driver, snapshot, run_dir, paused=before_start is not None,
+                                 drives=drives, vm_id=vm_id, tap_fd=tap_fd)  # fmt: skip
         if before_start is not None:
             try:
                 await before_start(run_dir)
@@ -247,7 +239,7 @@ class Machine:
         # no two restores of one snapshot share a token, a hostname or an RNG state.
         agent = await _connect_agent(vm, snapshot.config.agent_token, timeout)
         t3 = time.perf_counter()
-        machine = cls(vm, agent, {"disk": t1 - t0, "vmm": t2 - t1, "hello": t3 - t2})
+        machine = cls(vm, agent, {"disk": disk_s, "vmm": t2 - t0 - disk_s, "hello": t3 - t2})
         await machine._first_identity(hostname or f"sb-{vm_id}")
         machine.timings["identity"] = time.perf_counter() - t3
         return machine
@@ -349,23 +341,35 @@ async def remap(
     and saved at once, the guest never running. Restores of a stream each copy all of it;
     restores of the new snapshot read pages as they touch them and share those none wrote."""
     run_dir = _make_run_dir(vms_dir, vm_id)
-    try:
-        disk = run_dir / DISK
-        await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
-        config = snapshot.config.with_changes(
-            vm_id=vm_id, rootfs=disk, tap_fd=tap_fd, memory_file=run_dir / MEMORY_FILE,
-            memory_shared=True,
-        )  # fmt: skip
-        if drives is not None:
-            config = config.with_changes(drives=drives)
-        vm = await driver.restore(snapshot, config, run_dir, paused=True)
-    except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+    vm, _ = await _load(
+        driver, snapshot, run_dir, paused=True, drives=drives, vm_id=vm_id, tap_fd=tap_fd,
+        memory_file=run_dir / MEMORY_FILE, memory_shared=True,
+    )  # fmt: skip
     try:
         return await vm.snapshot(dest)
     finally:
         await _discard(vm)
+
+
+async def _load(
+    driver: Driver, snapshot: SnapshotInfo, run_dir: Path, *, paused: bool,
+    drives: tuple[Drive, ...] | None, **changes: Any,
+) -> tuple[VM, float]:  # fmt: skip
+    """The snapshot's VM started in `run_dir` on a clone of its disk, `changes` made to its
+    config (`drives` other files in its extra drives); how long the disk took. The run
+    directory is removed if it fails."""
+    try:
+        started = time.perf_counter()
+        disk = run_dir / DISK
+        await asyncio.to_thread(clone_file, snapshot.path / snapshot.files["disk"], disk)
+        config = snapshot.config.with_changes(rootfs=disk, **changes)
+        if drives is not None:
+            config = config.with_changes(drives=drives)
+        disk_s = time.perf_counter() - started
+        return await driver.restore(snapshot, config, run_dir, paused=paused), disk_s
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def _make_run_dir(vms_dir: Path, vm_id: str) -> Path:

@@ -164,18 +164,25 @@ class TemplateQueries(Queries):
         self, template_id: str, build_id: str, record: dict[str, Any] | None, error: str | None
     ) -> None:
         """A build ended: with its template's record, or with what went wrong (the last good
-        build, if any, stays in use)."""
-        tp = t.templates.c
+        build, if any, stays in use). A template made of a checkpoint has that checkpoint's
+        shape: so has its warm pool from now on (members of another shape are let go)."""
+        tp, s = t.templates.c, t.sandboxes.c
         values: dict[str, Any] = {"state": "failed" if error else "ready", "error": error,
                                   "updated_at": sa.func.now()}  # fmt: skip
+        shape = (record or {}).get("vcpus"), (record or {}).get("memory_mib")
         if record is not None:
             values["record"] = record
+        if shape[0] is not None:
+            values |= {"pool_vcpus": shape[0], "pool_memory_mib": shape[1]}
         async with self.engine.begin() as c:
-            await c.execute(
+            done = await c.execute(
                 t.templates.update()
                 .where(tp.id == template_id, tp.build_id == build_id, tp.state == "building")
                 .values(**values)
             )
+            if done.rowcount == 1 and shape[0] is not None:
+                other = sa.tuple_(s.vcpus, s.memory_mib) != sa.tuple_(*shape)
+                await drop_members(c, [s.template == template_id, other], "it changed shape")
 
     async def templates_in(self, state: str) -> list[Row]:
         q = sa.select(t.templates).where(t.templates.c.state == state)

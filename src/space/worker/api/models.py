@@ -207,6 +207,8 @@ class BuildRequest(Strict):
     def one_source(self) -> BuildRequest:
         if bool(self.spec) == (self.checkpoint is not None):
             raise ValueError("give either a spec or a checkpoint")
+        if self.checkpoint is not None and (self.context or self.environ):
+            raise ValueError("a build of a checkpoint takes no context or environ")
         return self
 
 

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import shutil
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,15 +33,7 @@ from space.worker.machine import Machine
 from space.worker.sandboxes import recovery
 from space.worker.sandboxes.capacity import Claim
 from space.worker.sandboxes.errors import InvalidArgument, VMNotFound, WrongState
-from space.worker.sandboxes.records import (
-    SANDBOX_FILE,
-    SandboxVM,
-    fsync_tree,
-    rename_durable,
-)
-from space.worker.templates import TemplateRecord, publish_template, remove_template
-from space.worker.templates.builder import TEMPLATES_DIR
-from space.worker.templates.record import RECORD_FILE, SNAPSHOT_DIR
+from space.worker.sandboxes.records import SANDBOX_FILE, SandboxVM, fsync_tree, rename_durable
 from space.worker.vmm.base import SnapshotInfo, VMMError, VMState
 
 if TYPE_CHECKING:
@@ -183,63 +173,6 @@ async def clean(manager: VMManager) -> None:
         else:
             await recovery.kill_leftover(run_dir)  # a restore that had not finished
             rename_durable(aside, run_dir)
-
-
-async def to_template(
-    manager: VMManager, vm_id: str, checkpoint_id: str, name: str, log: Callable[[str], None]
-) -> TemplateRecord:
-    """A template made of a checkpoint: its disk becomes the template's file system, and the
-    base snapshot of its shape is made now from its memory, so sandboxes of it start with the
-    checkpoint's processes running. It keeps clones of the checkpoint's files: it outlives the
-    checkpoint and its sandbox."""
-    started = time.monotonic()
-    snap = load(manager, vm_id, checkpoint_id)
-    spec = SandboxVM.load(vm_id, snap.path, None).spec
-    if spec.volumes:
-        raise InvalidArgument(
-            f"checkpoint {checkpoint_id} is of a sandbox with volumes: its guest has them "
-            "mounted, and a template's sandboxes would not"
-        )
-    # The platform's defaults of the template it was made of; the sandbox's own env is not
-    # the template's (every create gives its own).
-    made_of = manager.records.get(spec.template)
-    identity = hashlib.sha256(f"{vm_id}/{checkpoint_id}".encode()).hexdigest()
-    digest = identity[:16]
-    record = TemplateRecord(
-        name=name, digest=digest, path=manager.pool.root / TEMPLATES_DIR / name / digest,
-        source=f"checkpoint {checkpoint_id} of sandbox {vm_id} (template {spec.template})",
-        source_digest=f"sha256:{identity}",
-        size_bytes=(snap.path / snap.files["disk"]).stat().st_size,
-        env=dict(made_of.env) if made_of else {},
-        workdir=made_of.workdir if made_of else None, user=made_of.user if made_of else None,
-        entrypoint=list(made_of.entrypoint) if made_of else [],
-        cmd=list(made_of.cmd) if made_of else [],
-        start=made_of.start if made_of else None, ready=made_of.ready if made_of else None,
-        steps=list(made_of.steps) if made_of else [],
-        built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        snapshot=SNAPSHOT_DIR, vcpus=spec.vcpus, memory_mib=spec.memory_mib,
-    )  # fmt: skip
-    if (record.path / RECORD_FILE).is_file():
-        log(f"template {name}: made of this checkpoint before; nothing to do")
-        return TemplateRecord.load(record.path)
-    log(f"cloning checkpoint {checkpoint_id} of {vm_id} ({spec.vcpus} vCPUs, "
-        f"{spec.memory_mib} MiB)")  # fmt: skip
-    await asyncio.to_thread(publish_template, record, snap.path / snap.files["disk"], snap)
-    manager.refresh_templates()
-    if manager.options.base_snapshots:
-        log("restoring it to make the base snapshot its sandboxes start from")
-        try:
-            base, _ = await manager.snapshots.get(
-                name, spec.vcpus, spec.memory_mib, manager.templates[name], record
-            )
-        except BaseException:
-            # Not half a template: the last good build of `name` (if any) stays the one in use.
-            await asyncio.to_thread(remove_template, manager.pool.root, name, record.digest)
-            manager.refresh_templates()
-            raise
-        log(f"base snapshot ready ({'mapped memory' if 'memory' in base.files else 'a stream'})")
-    log(f"template {name}: made in {time.monotonic() - started:.1f} s")
-    return record
 
 
 async def _size(path: Path) -> int:

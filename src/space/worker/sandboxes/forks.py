@@ -22,11 +22,10 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from space.gateway.policy import Policy
-from space.worker.machine import Machine, remap
+from space.worker.machine import Machine
 from space.worker.sandboxes import checkpoints
 from space.worker.sandboxes.capacity import Claim
 from space.worker.sandboxes.errors import InvalidArgument, WrongState
@@ -75,9 +74,11 @@ async def fork(
             raise
     mapped = None
     try:
-        if len(children) > 1 and manager.driver.mapped_memory and "memory" not in snap.files:
-            mapped = checkpoints.directory(manager, parent.id) / f".fork-{uuid.uuid4().hex[:8]}"
-            snap = await _mapped(manager, parent, snap, mapped)
+        if len(children) > 1 and _mappable(manager, snap):
+            # The children map one file of its memory, rather than each copy the whole stream.
+            tag = uuid.uuid4().hex[:8]
+            mapped = checkpoints.directory(manager, parent.id) / f".fork-{tag}"
+            snap = await manager.snapshots.remap(snap, mapped, f"fork-{parent.id}-{tag}")
         made = await asyncio.gather(
             *(_child(manager, parent, snap, c) for c in children), return_exceptions=True
         )
@@ -97,16 +98,11 @@ async def fork(
     return [r for r in made if isinstance(r, SandboxVM)], paused_ms
 
 
-async def _mapped(
-    manager: VMManager, parent: SandboxVM, snap: SnapshotInfo, dest: Path
-) -> SnapshotInfo:
-    """The snapshot with its memory as a file, so that the children map it (sharing the pages
-    none of them writes) rather than each copy the whole stream."""
-    vm_id = f"fork-{parent.id}-{uuid.uuid4().hex[:6]}"
-    async with manager.build_network(vm_id, Policy()) as tap_fd:
-        return await remap(manager.driver, snap, dest, vm_id=vm_id,
-                           vms_dir=manager.layout.building,
-                           drives=await manager.volumes.drives(()), tap_fd=tap_fd)  # fmt: skip
+def _mappable(manager: VMManager, snap: SnapshotInfo) -> bool:
+    """Whether the snapshot is a stream that can become a memory file (a balloon's freed pages
+    would be punched out of a file, so RAM with a balloon stays anonymous)."""
+    return (manager.driver.mapped_memory and "memory" not in snap.files
+            and not snap.config.free_page_reporting)  # fmt: skip
 
 
 async def _child(

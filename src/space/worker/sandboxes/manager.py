@@ -360,12 +360,14 @@ class VMManager:
         ("restore"; "cold" if that snapshot had to be built first), or booted ("cold")."""
         drives = await self.volumes.drives(spec.volumes)
         if self.options.base_snapshots:
+            record = self.records.get(spec.template)
             try:
                 base, built = await self.snapshots.get(
-                    spec.template, spec.vcpus, spec.memory_mib, images,
-                    self.records.get(spec.template),
-                )  # fmt: skip
+                    spec.template, spec.vcpus, spec.memory_mib, images, record
+                )
             except (VMMError, AgentError, TimeoutError) as e:
+                if record is None or record.snapshot is None:
+                    raise
                 # A template made of a checkpoint whose memory no longer loads (another kernel,
                 # another QEMU) still has its files: its sandboxes boot from them.
                 log.warning("no base snapshot of %s, booting instead: %s", spec.template, e)

@@ -123,6 +123,31 @@ class BaseSnapshots:
             log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
             return SnapshotInfo.load(path), True
 
+    async def put(
+        self, template: str, vcpus: int, memory_mib: int, images: BootImages, made: Path
+    ) -> SnapshotInfo:
+        """Make `made`, a snapshot made elsewhere in the base directory (hidden), the base
+        snapshot of this shape, as a build of it would be."""
+        key = f"{template}-{vcpus}-{memory_mib}"
+        made_from = _images_record(images, nic=self.ca_pem is not None, driver=self.driver)
+        async with self._locks.hold(key):
+            write_durable(made / IMAGES_FILE, json.dumps(made_from))
+            await asyncio.to_thread(fsync_tree, made)
+            shutil.rmtree(self.layout.base / key, ignore_errors=True)
+            rename_durable(made, self.layout.base / key)
+        return SnapshotInfo.load(self.layout.base / key)
+
+    def staging(self, template: str) -> Path:
+        """Where a snapshot to `put` is made: hidden in the base directory, removed at start."""
+        return self.layout.base / f".{template}.{uuid.uuid4().hex[:8]}"
+
+    async def remap(self, snapshot: SnapshotInfo, dest: Path, vm_id: str) -> SnapshotInfo:
+        """`machine.remap` of a snapshot of this worker's VMs, with a network of its own."""
+        async with self.network(vm_id, Policy()) as tap_fd:
+            return await remap(self.driver, snapshot, dest, vm_id=vm_id,
+                               vms_dir=self.layout.building,
+                               drives=await self.volumes.drives(()), tap_fd=tap_fd)  # fmt: skip
+
     async def _take(
         self, dest: Path, build_id: str, vcpus: int, memory_mib: int, images: BootImages,
         record: TemplateRecord | None, tap_fd: int | None,

@@ -13,8 +13,8 @@ from space.worker.templates.builder import (
     latest_templates,
     list_templates,
     prune_cache,
-    publish_template,
     remove_template,
+    stage_template,
 )
 from space.worker.templates.buildlog import BuildLog
 from space.worker.templates.errors import (
@@ -48,6 +48,6 @@ __all__ = [
     "load_spec",
     "parse_spec",
     "prune_cache",
-    "publish_template",
     "remove_template",
+    "stage_template",
 ]

@@ -248,7 +248,7 @@ async def build_template(
     if (record.path / RECORD_FILE).is_file():
         log(f"template {spec.name}: {digest} was built before; nothing changed")
         return TemplateRecord.load(record.path)
-    await asyncio.to_thread(publish_template, record, disk)
+    await asyncio.to_thread(_publish_template, record, disk)
     log(f"template {spec.name}: built {record.path} in {record.build_seconds:.1f} s")
     return record
 
@@ -522,11 +522,12 @@ async def _run(
         raise BuildError(f"step {index} ({step.describe()}) {how}; last output:\n  {last}")
 
 
-def publish_template(
+def stage_template(
     record: TemplateRecord, disk: Path, snapshot: SnapshotInfo | None = None
-) -> None:
-    """Put a template in place whole (its disk, its record, and the snapshot it was made of
-    if any: `record.snapshot`), all clones, or leave nothing."""
+) -> Path:
+    """The template's directory made whole beside `record.path`, hidden (a dot name) until
+    renamed there: its disk, the snapshot it is made of if any (`record.snapshot`), all clones,
+    and its record. Nothing is left if this fails."""
     parent = record.path.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
@@ -542,6 +543,15 @@ def publish_template(
             replace(snapshot, path=copy).save()
         (tmp / RECORD_FILE).write_text(json.dumps(record.to_json(), indent=2) + "\n")
         os.chmod(tmp, 0o755)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def _publish_template(record: TemplateRecord, disk: Path) -> None:
+    tmp = stage_template(record, disk)
+    try:
         tmp.rename(record.path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
