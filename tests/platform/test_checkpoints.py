@@ -223,7 +223,7 @@ def test_a_checkpoint_becomes_a_template_whose_sandboxes_start_as_it_was(
         r = subprocess.run([*cmd, "ck-cli"], env=env, capture_output=True, timeout=300,
                            check=False)  # fmt: skip
         assert r.returncode == 0, r.stderr
-        assert r.stdout.decode().split()[0] == "ck-cli" and b"base snapshot ready" in r.stderr
+        assert r.stdout.decode().split()[0] == "ck-cli" and b"its guest must answer" in r.stderr
         assert admin.delete("/v1/templates/ck-cli").status_code == 200
         # The template has copies of what it needs: its checkpoint and sandbox may go.
         assert admin.delete(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"
