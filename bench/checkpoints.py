@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import platform
 import shutil
@@ -30,6 +29,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from report import emit
 from space.worker.agent_client import AgentClient, AgentError
 from space.worker.local import local_runtime
 from space.worker.sandboxes import ManagerOptions, VMManager
@@ -231,10 +231,7 @@ async def main() -> None:
     results["host"] = {"cpus": os.cpu_count(), "machine": platform.machine(),
                        "accel": getattr(rt.driver, "accel", "?")}  # fmt: skip
     print(table(results, args.children))
-    print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    emit(results, args.json)
 
 
 if __name__ == "__main__":

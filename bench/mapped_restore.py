@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints import MEMORY_MIB, TOUCH_MIB, touch
+from report import emit
 from space.worker.local import local_runtime
 from space.worker.machine import Machine
 from space.worker.storage.reflink import clone_file
@@ -172,10 +172,7 @@ async def main() -> None:
         finally:
             shutil.rmtree(root, ignore_errors=True)
     print(table(results))
-    print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    emit(results, args.json)
 
 
 def table(results: dict[str, Any]) -> str:

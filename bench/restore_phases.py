@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import statistics
 import sys
 import time
 import uuid
 
+from report import emit
 from space.worker.local import local_runtime
 from space.worker.sandboxes import ManagerOptions, VMManager
 
@@ -72,10 +72,7 @@ async def main() -> None:
     for key, label in labels.items():
         r = results[key]
         print(f"| {label} | {r['p50_ms']:.0f} ms | {r['max_ms']:.0f} ms |")
-    print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    emit(results, args.json)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from space.netpolicy import NetworkPolicy, SecretBinding
-from space.worker.api.models import check_tag
+from space.worker.api.models import check_build_source, check_tag
 
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]{2,39}$"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -275,10 +275,7 @@ class BuildRequest(Strict):
 
     @model_validator(mode="after")
     def one_source(self) -> BuildRequest:
-        if bool(self.spec) == (self.checkpoint is not None):
-            raise ValueError("give either a spec or a checkpoint")
-        if self.checkpoint is not None and (self.context or self.environ):
-            raise ValueError("a build of a checkpoint takes no context or environ")
+        check_build_source(self.spec, self.checkpoint, self.context, self.environ)
         return self
 
 

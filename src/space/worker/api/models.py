@@ -205,11 +205,16 @@ class BuildRequest(Strict):
 
     @model_validator(mode="after")
     def one_source(self) -> BuildRequest:
-        if bool(self.spec) == (self.checkpoint is not None):
-            raise ValueError("give either a spec or a checkpoint")
-        if self.checkpoint is not None and (self.context or self.environ):
-            raise ValueError("a build of a checkpoint takes no context or environ")
+        check_build_source(self.spec, self.checkpoint, self.context, self.environ)
         return self
+
+
+def check_build_source(spec: str, checkpoint: object, context: str, environ: Env) -> None:
+    """A build is of a spec, or of a checkpoint, which takes no context or environ."""
+    if bool(spec) == (checkpoint is not None):
+        raise ValueError("give either a spec or a checkpoint")
+    if checkpoint is not None and (context or environ):
+        raise ValueError("a build of a checkpoint takes no context or environ")
 
 
 class BuildStatus(Answer):
