@@ -32,6 +32,8 @@ STEPS = frozenset({
     "delete.after-stop",
     "delete.after-files",
     "reconcile.after-worker",
+    "template.after-stage",
+    "template.after-base",
 })  # fmt: skip
 
 

@@ -158,3 +158,43 @@ def test_an_api_killed_mid_claim_hands_nothing_half_over(
         assert sb["state"] == "running" and sb["boot"] == "pool", sb
         wait_state(c, sb["id"], "running")
         c.delete(f"/v1/sandboxes/{sb['id']}")
+
+
+@pytest.mark.parametrize("step", ["template.after-stage", "template.after-base"])
+def test_a_worker_killed_while_making_a_template_of_a_checkpoint_puts_nothing_in_use(
+    platform: Platform, worker: Service, step: str
+) -> None:
+    """The template is used only once it is whole: a build that dies leaves it unused (or, if
+    the controller's call never got its answer, started again and finished), and another build
+    makes it."""
+    name = f"crash-{step.split('-')[-1]}"
+    with platform.client(platform.admin_key) as admin:
+        sid = create(admin)["id"]
+        pid = start_counter(admin, sid)
+        run(admin, sid, "echo kept > /root/kept && sync")
+        ck = admin.post(f"/v1/sandboxes/{sid}/checkpoints", json={}).json()
+        body = {"checkpoint": {"sandbox_id": sid, "checkpoint_id": ck["id"]}}
+
+        def built() -> dict[str, object]:
+            return dict(admin.get(f"/v1/templates/{name}").json())
+
+        with restarted(worker, SPACE_CRASH_AT=step):
+            until(lambda: listening(worker), 60)
+            shown_active(platform, platform.worker_id)
+            until(lambda: _state(admin, sid) == "running", 30, why=lambda: _state(admin, sid))
+            assert admin.post(f"/v1/templates/{name}/builds", json=body).status_code == 202
+            until(lambda: _died(worker), 60, why=platform.logs)
+        ended = until(lambda: built()["state"] in ("failed", "ready"), 60, why=built)
+        record(f"worker killed at {step}", "the build failed or done", CONVERGE_S, ended)
+        if built()["state"] == "failed":
+            assert built()["built"] is None, built()
+            r = admin.post("/v1/sandboxes", json={"template": name})
+            assert r.status_code == 404, r.text  # nothing half-made is in use
+            assert admin.post(f"/v1/templates/{name}/builds", json=body).status_code == 202
+            until(lambda: built()["state"] == "ready", 120, why=built)
+        kid = create(admin, template=name)["id"]
+        assert counter_runs(admin, kid, pid), "the checkpoint's process runs in its sandboxes"
+        assert run(admin, kid, "cat /root/kept")[0] == b"kept\n"
+        for vm in (kid, sid):
+            admin.delete(f"/v1/sandboxes/{vm}")
+        until(lambda: admin.delete(f"/v1/templates/{name}").status_code == 200, 60)

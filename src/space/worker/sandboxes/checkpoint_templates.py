@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from space import crashpoints
 from space.gateway.policy import Policy
 from space.worker.machine import BootImages, Machine
 from space.worker.sandboxes import checkpoints, guest
@@ -51,6 +52,7 @@ async def make(
         disk = snap.path / snap.files["disk"]
         staged = await asyncio.to_thread(stage_template, record, disk, snap)
     made = manager.snapshots.staging(name) if manager.options.base_snapshots else None
+    crashpoints.reached("template.after-stage")
     try:
         if made is not None:
             log("loading its memory into a file its sandboxes map")
@@ -61,6 +63,7 @@ async def make(
             kernel = manager.templates["base"]
             images = BootImages(kernel.kernel, kernel.initrd, record.rootfs)
             await manager.snapshots.put(name, spec.vcpus, spec.memory_mib, images, made)
+            crashpoints.reached("template.after-base")
         rename_durable(staged, record.path)
     except BaseException:
         for path in (staged, made):
