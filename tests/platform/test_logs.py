@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,20 @@ def lines(log: Path) -> list[dict[str, Any]]:
     return found
 
 
-def about(log: Path, request_id: str, timeout: float = 30) -> list[dict[str, Any]]:
+def about(
+    log: Path, request_id: str, has: Callable[[dict[str, Any]], bool] = lambda _: True,
+    timeout: float = 30,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The lines of a request, once one of them `has` what the caller looks for (a service
+    writes its line for a call after answering it, so it may come after the client's answer)."""
     deadline = time.monotonic() + timeout
-    while not (found := [x for x in lines(log) if x["request_id"] == request_id]):
+    while True:
+        found = [x for x in lines(log) if x["request_id"] == request_id]
+        if any(has(x) for x in found):
+            return found
         if time.monotonic() > deadline:
-            raise AssertionError(f"no line of request {request_id} in {log}")
+            raise AssertionError(f"no such line of request {request_id} in {log}: {found}")
         time.sleep(0.2)
-    return found
 
 
 def test_one_create_is_followed_from_the_api_through_the_controller_to_the_worker(
@@ -48,9 +56,9 @@ def test_one_create_is_followed_from_the_api_through_the_controller_to_the_worke
         assert r.headers["x-request-id"] == rid
         sid, wid = r.json()["id"], r.json()["worker_id"]
 
-        api = about(platform.api.log, rid)
-        controller = about(platform.controller.log, rid)
-        worker = about(platform.workers[wid].log, rid)
+        api = about(platform.api.log, rid, lambda x: x.get("path") == "/v1/sandboxes")
+        controller = about(platform.controller.log, rid, lambda x: "placed on" in x["message"])
+        worker = about(platform.workers[wid].log, rid, lambda x: x.get("method") == "PUT")
         for line in api + controller + worker:
             assert set(CONTEXT) <= set(line) and line["level"] and line["message"], line
         assert {x["service"] for x in api} == {"api"}
@@ -78,8 +86,8 @@ def test_one_create_is_followed_from_the_api_through_the_controller_to_the_worke
         assert r.status_code == 200, r.text
         made_up = r.headers["x-request-id"]
         assert made_up and made_up != "x" * 200
-        assert any("deleted" in x["message"] for x in about(platform.controller.log, made_up))
-        assert any(x.get("method") == "DELETE" for x in about(platform.workers[wid].log, made_up))
+        about(platform.controller.log, made_up, lambda x: "deleted" in x["message"])
+        about(platform.workers[wid].log, made_up, lambda x: x.get("method") == "DELETE")
         assert c.get("/healthz").headers["x-request-id"]
 
     # Every line of ours names its context, null where there is none.
