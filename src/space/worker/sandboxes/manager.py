@@ -50,7 +50,7 @@ from space.worker.sandboxes.volumes import Volumes, check_volumes
 from space.worker.storage.pool import Pool
 from space.worker.templates import TemplateRecord, latest_templates, remove_template
 from space.worker.templates.record import agent_user
-from space.worker.vmm.base import Driver, VMMError, VMStateError
+from space.worker.vmm.base import Drive, Driver, VMMError, VMStateError
 
 log = logging.getLogger(__name__)
 
@@ -360,30 +360,9 @@ class VMManager:
         ("restore"; "cold" if that snapshot had to be built first), or booted ("cold")."""
         drives = await self.volumes.drives(spec.volumes)
         if self.options.base_snapshots:
-            record = self.records.get(spec.template)
-            try:
-                base, built = await self.snapshots.get(
-                    spec.template, spec.vcpus, spec.memory_mib, images, record
-                )
-            except (VMMError, AgentError, TimeoutError) as e:
-                if record is None or record.snapshot is None:
-                    raise
-                # A template made of a checkpoint whose memory no longer loads (another kernel,
-                # another QEMU) still has its files: its sandboxes boot from them.
-                log.warning("no base snapshot of %s, booting instead: %s", spec.template, e)
-            else:
-                try:
-                    machine = await Machine.restore(
-                        self.driver, self.pool, base, vm_id=vm_id, hostname=spec.hostname,
-                        vms_dir=self.layout.vms, drives=drives, tap_fd=tap_fd,
-                    )  # fmt: skip
-                    return machine, "cold" if built else "restore"
-                except (VMMError, AgentError, TimeoutError) as e:
-                    # A snapshot that no longer restores (e.g. a QEMU upgrade) must not stop
-                    # creates: this one boots, and the next one builds the base again.
-                    log.warning("base snapshot %s failed to restore, booting instead: %s",
-                                base.path, e)  # fmt: skip
-                    self.snapshots.drop(base.path)
+            restored = await self._restore_base(vm_id, spec, images, drives, tap_fd)
+            if restored is not None:
+                return restored
         machine = await Machine.boot(
             self.driver, self.pool, images, vm_id=vm_id, vcpus=spec.vcpus,
             memory_mib=spec.memory_mib, hostname=spec.hostname, vms_dir=self.layout.vms,
@@ -393,6 +372,37 @@ class VMManager:
             assert self.egress is not None
             await guest.install_ca(machine, await self.egress.gateway.ca_pem())
         return machine, "cold"
+
+    async def _restore_base(
+        self, vm_id: str, spec: SandboxSpec, images: BootImages, drives: tuple[Drive, ...],
+        tap_fd: int | None,
+    ) -> tuple[Machine, str] | None:  # fmt: skip
+        """The VM restored from the base snapshot of its shape (built first if need be); None
+        where it must boot instead."""
+        record = self.records.get(spec.template)
+        try:
+            base, built = await self.snapshots.get(
+                spec.template, spec.vcpus, spec.memory_mib, images, record
+            )
+        except (VMMError, AgentError, TimeoutError) as e:
+            if record is None or record.snapshot is None:
+                raise
+            # A template made of a checkpoint whose memory no longer loads (another kernel,
+            # another QEMU) still has its files: its sandboxes boot from them.
+            log.warning("no base snapshot of %s, booting instead: %s", spec.template, e)
+            return None
+        try:
+            machine = await Machine.restore(
+                self.driver, self.pool, base, vm_id=vm_id, hostname=spec.hostname,
+                vms_dir=self.layout.vms, drives=drives, tap_fd=tap_fd,
+            )  # fmt: skip
+        except (VMMError, AgentError, TimeoutError) as e:
+            # A snapshot that no longer restores (e.g. a QEMU upgrade) must not stop creates:
+            # this one boots, and the next one builds the base again.
+            log.warning("base snapshot %s failed to restore, booting instead: %s", base.path, e)
+            self.snapshots.drop(base.path)
+            return None
+        return machine, "cold" if built else "restore"
 
     async def claim(
         self, vm_id: str, env: Mapping[str, str], policy: Policy | None = None

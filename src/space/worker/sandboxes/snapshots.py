@@ -108,18 +108,13 @@ class BaseSnapshots:
                 log.info("base snapshot %s was made from other images; rebuilding it", key)
             started = time.perf_counter()
             build_id = f"base-{key}-{uuid.uuid4().hex[:6]}"
-            # A NIC too when sandboxes get one (a restore needs the same devices); no egress.
-            async with self.network(build_id, Policy()) as tap_fd:
-                tmp = self.layout.base / f".{key}.{uuid.uuid4().hex[:8]}"
-                try:
-                    await self._take(tmp, build_id, vcpus, memory_mib, images, record, tap_fd)
-                    write_durable(tmp / IMAGES_FILE, json.dumps(made_from))
-                    await asyncio.to_thread(fsync_tree, tmp)
-                    shutil.rmtree(path, ignore_errors=True)
-                    rename_durable(tmp, path)
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
+            tmp = self.staging(key)
+            try:
+                await self._take(tmp, build_id, vcpus, memory_mib, images, record)
+                await self._install(path, tmp, made_from)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
             return SnapshotInfo.load(path), True
 
@@ -131,15 +126,12 @@ class BaseSnapshots:
         key = f"{template}-{vcpus}-{memory_mib}"
         made_from = _images_record(images, nic=self.ca_pem is not None, driver=self.driver)
         async with self._locks.hold(key):
-            write_durable(made / IMAGES_FILE, json.dumps(made_from))
-            await asyncio.to_thread(fsync_tree, made)
-            shutil.rmtree(self.layout.base / key, ignore_errors=True)
-            rename_durable(made, self.layout.base / key)
+            await self._install(self.layout.base / key, made, made_from)
         return SnapshotInfo.load(self.layout.base / key)
 
-    def staging(self, template: str) -> Path:
-        """Where a snapshot to `put` is made: hidden in the base directory, removed at start."""
-        return self.layout.base / f".{template}.{uuid.uuid4().hex[:8]}"
+    def staging(self, name: str) -> Path:
+        """Where a base snapshot is made: hidden in the base directory, removed at start."""
+        return self.layout.base / f".{name}.{uuid.uuid4().hex[:8]}"
 
     async def remap(self, snapshot: SnapshotInfo, dest: Path, vm_id: str) -> SnapshotInfo:
         """`machine.remap` of a snapshot of this worker's VMs, with a network of its own."""
@@ -148,24 +140,35 @@ class BaseSnapshots:
                                vms_dir=self.layout.building,
                                drives=await self.volumes.drives(()), tap_fd=tap_fd)  # fmt: skip
 
+    async def _install(self, path: Path, made: Path, made_from: dict[str, Any]) -> None:
+        """`made` in place as the base snapshot `path`, with what it was made from (under the
+        lock of its key)."""
+        write_durable(made / IMAGES_FILE, json.dumps(made_from))
+        await asyncio.to_thread(fsync_tree, made)
+        shutil.rmtree(path, ignore_errors=True)
+        rename_durable(made, path)
+
     async def _take(
         self, dest: Path, build_id: str, vcpus: int, memory_mib: int, images: BootImages,
-        record: TemplateRecord | None, tap_fd: int | None,
+        record: TemplateRecord | None,
     ) -> None:  # fmt: skip
         """Boot a VM, set it up and snapshot it; or, for a template made of a checkpoint, save
         that checkpoint again with its memory as a file (its processes as they were)."""
-        drives = await self.volumes.drives(())
         checkpoint = record.snapshot_path if record is not None else None
         if checkpoint is not None:
             # Of the checkpoint's own shape: the manager refuses creates of any other.
-            await remap(self.driver, SnapshotInfo.load(checkpoint), dest, vm_id=build_id,
-                        vms_dir=self.layout.building, drives=drives, tap_fd=tap_fd)  # fmt: skip
+            await self.remap(SnapshotInfo.load(checkpoint), dest, build_id)
             return
-        async with await Machine.boot(
-            self.driver, self.pool, images, vm_id=build_id, vcpus=vcpus, memory_mib=memory_mib,
-            vms_dir=self.layout.building, drives=drives, tap_fd=tap_fd,
-            guest_mac=GUEST_MAC if tap_fd is not None else None, snapshot_source=True,
-        ) as machine:  # fmt: skip
+        # A NIC too when sandboxes get one (a restore needs the same devices); no egress.
+        async with (
+            self.network(build_id, Policy()) as tap_fd,
+            await Machine.boot(
+                self.driver, self.pool, images, vm_id=build_id, vcpus=vcpus,
+                memory_mib=memory_mib, vms_dir=self.layout.building,
+                drives=await self.volumes.drives(()), tap_fd=tap_fd,
+                guest_mac=GUEST_MAC if tap_fd is not None else None, snapshot_source=True,
+            ) as machine,
+        ):  # fmt: skip
             await self._set_up(machine, record)
             await machine.snapshot(dest)
 

@@ -507,6 +507,8 @@ class QemuDriver(Driver):
             raise VMMError(f"snapshot {snapshot.path} has no {snapshot.files['state']}")
         memory = snapshot.files.get("memory")
         if memory:
+            if not (snapshot.path / memory).is_file():
+                raise VMMError(f"snapshot {snapshot.path} has no {memory}")
             # A snapshot's memory file is mapped privately: the guest reads its pages as it
             # touches them, clones share those they have not written, and what a clone writes is
             # its own.
@@ -515,8 +517,6 @@ class QemuDriver(Driver):
             # A stream is loaded into anonymous memory, unless the caller makes a snapshot
             # source of it: then into a file of its own that its snapshots keep (no balloon).
             config = config.with_changes(memory_file=None, memory_shared=False)
-        if memory and not (snapshot.path / memory).is_file():
-            raise VMMError(f"snapshot {snapshot.path} has no {memory}")
         # QEMU reads the state straight from an inherited descriptor: no `cat`, no pipe. A
         # stream that leaves RAM out is read only once the capability that says so is set.
         incoming = ["-incoming", "defer" if memory else f"fd:{STATE_FD}"]
