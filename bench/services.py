@@ -45,17 +45,16 @@ class BenchPlatform:
     worker_id: str
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, name: str, *argv: str, env: dict[str, str] | None = None) -> None:
-        # SPACE_BENCH_LOGS=DIR keeps each service's log there (a run that broke says why).
+    def start(self, name: str, *argv: str) -> None:
+        self.procs[name] = subprocess.Popen([*SPACE, *argv], env=self.env, stderr=self._log(name))
+
+    def _log(self, name: str) -> Any:
+        """SPACE_BENCH_LOGS=DIR keeps each service's log there (a run that broke says why)."""
         logs = os.environ.get("SPACE_BENCH_LOGS")
-        if logs:
-            Path(logs).mkdir(parents=True, exist_ok=True)
-            stderr: Any = open(Path(logs) / f"{name}-{self.worker_id}.log", "ab")  # noqa: SIM115
-        else:
-            stderr = subprocess.DEVNULL
-        self.procs[name] = subprocess.Popen(
-            [*SPACE, *argv], env={**self.env, **(env or {})}, stderr=stderr
-        )
+        if not logs:
+            return subprocess.DEVNULL
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        return open(Path(logs) / f"{name}-{self.worker_id}.log", "ab")
 
     def stop(self, name: str) -> None:
         p = self.procs.pop(name)
@@ -63,7 +62,13 @@ class BenchPlatform:
         p.wait()
 
     def start_worker(self, **env: str) -> None:
-        self.start("worker", "worker", "--id", self.worker_id, "--port", str(free_port()), env=env)
+        """A worker, which registers at the API and is not told where the database is."""
+        argv = ["worker", "--id", self.worker_id, "--port", str(free_port())]
+        own = {k: v for k, v in self.env.items() if k != "SPACE_DATABASE_URL"}
+        self.procs["worker"] = subprocess.Popen(
+            [*SPACE, *argv], env={**own, "SPACE_CONTROL_URL": self.url, **env},
+            stderr=self._log("worker"),
+        )  # fmt: skip
 
     def client(self, key: str) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"},

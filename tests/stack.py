@@ -37,6 +37,7 @@ from .vm.conftest import vmm_pids
 
 SPACE = [sys.executable, "-m", "space.cli.main"]
 POOL = Path("/var/lib/space/pool/workers")
+CONTROL_PLANE_ONLY = ("SPACE_WORKER_CA_DIR", "SPACE_DATABASE_URL")
 
 
 def free_port() -> int:
@@ -107,14 +108,14 @@ class Platform:
         otherwise)."""
         port = free_port()
         metrics = f"127.0.0.1:{free_port()}"
-        # The worker CA's key stays with the control plane.
-        own = {k: v for k, v in self.env.items() if k != "SPACE_WORKER_CA_DIR"}
-        own["SPACE_WORKER_METRICS"] = metrics
+        # The worker CA's key and the database stay with the control plane: a worker registers
+        # at the API.
+        own = {k: v for k, v in self.env.items() if k not in CONTROL_PLANE_ONLY}
+        own.update(SPACE_WORKER_METRICS=metrics, SPACE_CONTROL_URL=self.api_url)
         if "SPACE_WORKER_CA_DIR" in self.env:
             token = self.tmp / f"join-{worker_id}"
             token.write_text(asyncio.run(_join_token(self.database_url, worker_id)))
-            own.update(SPACE_WORKER_TLS="1", SPACE_CONTROL_URL=self.api_url,
-                       SPACE_WORKER_JOIN_TOKEN_FILE=str(token))  # fmt: skip
+            own.update(SPACE_WORKER_TLS="1", SPACE_WORKER_JOIN_TOKEN_FILE=str(token))
         svc = Service(
             f"worker-{worker_id}",
             ["worker", "--id", worker_id, "--port", str(port)],

@@ -33,7 +33,14 @@ async def store(database: str) -> AsyncIterator[Store]:
 
 async def worker(store: Store, wid: str, memory_mib: int, available: int | None = None) -> None:
     await store.register_worker(wid, f"http://{wid}.invalid", "i", 64, memory_mib)
-    await store.heartbeat(wid, "i", available)
+    await mem_available(store, wid, available)
+
+
+async def mem_available(store: Store, wid: str, mib: int | None) -> None:
+    """The host's MemAvailable, as the controller's probe of the worker records it."""
+    async with store.engine.begin() as c:
+        q = t.workers.update().where(t.workers.c.id == wid).values(mem_available_mib=mib)
+        await c.execute(q)
 
 
 async def run_members(store: Store, worker_id: str) -> list[Row]:
@@ -82,7 +89,7 @@ async def test_a_worker_short_of_memory_loses_its_members(store: Store) -> None:
     await pools.tend()
     await run_members(store, "w1")
     assert len(await store.pool_members()) == 2
-    await store.heartbeat("w1", "i", 500)  # the host now has 500 MiB available
+    await mem_available(store, "w1", 500)  # the host now has 500 MiB available
     await pools.tend()
     assert len(await store.pool_members()) == 1  # one per pass, and nothing added
     await pools.tend()

@@ -204,11 +204,12 @@ NEEDS = {
                     "SPACE_METRICS_TOKEN", "SPACE_CONTROLLER_METRICS", "SPACE_WORKER_CA_DIR"},
                    set()),
     # A worker host is where a guest's escape would land: no key that unseals secrets there,
-    # and not the worker CA's, which would let it mint any worker's identity.
-    "worker": ({"SPACE_DATABASE_URL", "SPACE_WORKER_SECRET", "SPACE_METRICS_TOKEN",
+    # not the worker CA's, which would let it mint any worker's identity, and not the
+    # database's credentials (it registers at the API).
+    "worker": ({"SPACE_WORKER_SECRET", "SPACE_METRICS_TOKEN",
                 "SPACE_GATEWAY_CA_DIR", "SPACE_STATE_DIR", "SPACE_CACHE_DIR", "SPACE_WORKER_TLS",
                 "SPACE_CONTROL_URL", "SPACE_WORKER_JOIN_TOKEN_FILE"},
-               {"SPACE_SECRETS_KEYS", "SPACE_WORKER_CA_DIR"}),
+               {"SPACE_SECRETS_KEYS", "SPACE_WORKER_CA_DIR", "SPACE_DATABASE_URL"}),
     "admin": ({"SPACE_DATABASE_URL"}, set()),
 }  # fmt: skip
 SERVICES = ("api", "controller", "worker")  # the long-running ones, which read every setting
@@ -346,15 +347,30 @@ def identity_problems(objects: list[Obj]) -> list[str]:
     return problems
 
 
+def database_secrets(objects: list[Obj]) -> set[str]:
+    """The Secrets the control plane's database address comes from."""
+    found = set()
+    for _, c in space_containers(objects):
+        entry = environment(c, objects).get("SPACE_DATABASE_URL", {})
+        if ref := entry.get("valueFrom", {}).get("secretKeyRef"):
+            found.add(ref["name"])
+    return found
+
+
 def worker_problems(objects: list[Obj]) -> list[str]:
     """The worker's directories are on the node (its pool and images outlive the pod), its CA
-    is the deployment's Secret, and it has the devices it needs."""
+    is the deployment's Secret, it has the devices it needs, and nothing of the database's
+    reaches its pod, by variable or by volume."""
     problems = []
+    database = database_secrets(objects)
     for obj, c in space_containers(objects):
         if c.get("args", [""])[0] != "worker":
             continue
         spec = pod_spec(obj)
         assert spec is not None
+        text = json.dumps(spec)
+        problems += [f"{name(obj)}: the pod reads Secret {s}, the database's"
+                     for s in sorted(database) if f'"{s}"' in text]  # fmt: skip
         env = {k: v.get("value") for k, v in environment(c, objects).items()}
         for var in ("SPACE_STATE_DIR", "SPACE_CACHE_DIR"):
             volume = mounted(spec, c, str(env.get(var)))

@@ -132,6 +132,12 @@ MUTATIONS: dict[str, tuple[str, Callable[[Obj], None], Callable[[list[Obj]], lis
         "DaemonSet", _drop_env("SPACE_WORKER_SECRET"), kube.settings_problems),
     "a controller without the secrets key the API has": (
         "Deployment/space-controller", _drop_env("SPACE_SECRETS_KEYS"), kube.settings_problems),
+    "the database's address on a worker": (
+        "DaemonSet", lambda o: _env(o).append({"name": "SPACE_DATABASE_URL", "valueFrom": {
+            "secretKeyRef": {"name": "space-db-app", "key": "uri"}}}), kube.settings_problems),
+    "the database's Secret mounted on a worker": (
+        "DaemonSet", lambda o: o["spec"]["template"]["spec"]["volumes"].append(
+            {"name": "db", "secret": {"secretName": "space-db-app"}}), kube.worker_problems),
     "the secrets key on a worker": (
         "DaemonSet", lambda o: _env(o).append({"name": "SPACE_SECRETS_KEYS", "value": "k"}),
         kube.settings_problems),

@@ -60,9 +60,8 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
         listener = Listener(database_url)
         await listener.start()
         ca = WorkerCA(settings.worker_ca_dir) if settings.worker_ca_dir else None
-        workers = WorkerClient(
-            settings.load_worker_secret(), tls=ca.client_context() if ca else None
-        )
+        worker_secret = settings.load_worker_secret()
+        workers = WorkerClient(worker_secret, tls=ca.client_context() if ca else None)
         sealer = Sealer(settings.load_sealing_keys(), reload=settings.load_sealing_keys)
         app.state.services = Services(
             store=store,
@@ -72,6 +71,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
             settings=settings,
             metrics_token=settings.load_metrics_token(),
             rates=RateLimiter(settings.api.rate_limit, settings.api.rate_burst),
+            worker_secret=worker_secret,
             worker_ca=ca,
         )
         try:

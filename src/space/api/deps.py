@@ -38,6 +38,7 @@ class Services:
     settings: Settings
     metrics_token: str
     rates: RateLimiter
+    worker_secret: str  # what workers present when they register
     worker_ca: WorkerCA | None = None  # issues workers' certificates under mutual TLS
 
     async def wait_for(self, sandbox_id: str, done: Callable[[Row], bool], timeout: float) -> Row:

@@ -73,7 +73,7 @@ def worker(worker_id: str, host: str, port: int, url: str | None) -> None:
     settings = Settings.from_env()
     logs.setup(settings.log.format, settings.log.level, "worker", worker=worker_id)
     asyncio.run(
-        run(settings, _database(settings), worker_id=worker_id, host=host, port=port,
+        run(settings, worker_id=worker_id, host=host, port=port,
             url=url or f"{'https' if settings.worker.tls else 'http'}://{host}:{port}")
     )  # fmt: skip
 
@@ -248,8 +248,11 @@ def up(port: int, worker_port: int, pool: int, metrics_port: int, worker_metrics
         "SPACE_WORKER_METRICS": f"127.0.0.1:{worker_metrics_port}",
         "SPACE_METRICS_TOKEN": metrics_token,
     }
+    # The worker registers at the API and never sees the database's address.
+    worker_env = {k: v for k, v in env.items() if k != "SPACE_DATABASE_URL"}
+    worker_env["SPACE_CONTROL_URL"] = api_url
     children = [
-        Child("worker", [*space, "worker", "--port", str(worker_port)], env),
+        Child("worker", [*space, "worker", "--port", str(worker_port)], worker_env),
         Child("controller", [*space, "controller"], env),
         Child("api", [*space, "api", "--port", str(port)], env),
     ]

@@ -100,6 +100,7 @@ class WorkerHealth:
             w["id"], health.overhead_mib, health.used.memory_mib,
             (health.capacity.disk_mib, health.used.disk_mib),
             "; ".join(health.problems) or None, time.monotonic() - asked,
+            health.mem_available_mib,
         )  # fmt: skip
         await self._verify(worker, health, rows)
 

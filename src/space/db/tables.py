@@ -62,7 +62,7 @@ workers = sa.Table(
     sa.Column("capacity_vcpus", sa.Integer, nullable=False),
     sa.Column("capacity_memory_mib", sa.Integer, nullable=False),
     sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
-    sa.Column("mem_available_mib", sa.Integer),  # the host's MemAvailable at the last heartbeat
+    sa.Column("mem_available_mib", sa.Integer),  # the host's MemAvailable at its last probe
     sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     # From its health probes: what each VMM costs beyond its guest's RAM, what its disks may
     # still take, and why it takes no work if it does not (its gateway is down, …).

@@ -1,5 +1,5 @@
-"""The worker process (`space worker`): adopt this host's VMs, keep its gateway up, register,
-heartbeat, serve."""
+"""The worker process (`space worker`): adopt this host's VMs, keep its gateway up, serve, and
+register at the control plane (it has no database credentials)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from space import crashpoints
-from space.db import migrate
-from space.db.store import Store, connect
 from space.identity import IdentityError, TLSFiles, WorkerIdentity
 from space.metrics_server import serve_metrics
 from space.settings import Settings, WorkerSettings
@@ -23,25 +21,12 @@ from space.worker.fence import Fence
 from space.worker.local import local_runtime
 from space.worker.metrics import SandboxCollector
 from space.worker.network.supervisor import GatewaySupervisor
+from space.worker.registration import ControlPlane, Refused
 from space.worker.sandboxes import ManagerOptions, VMManager
-from space.worker.sandboxes.capacity import meminfo_mib
 from space.worker.sandboxes.records import EPOCH_FILE
 from space.worker.sandboxes.recovery import Watch
 
 log = logging.getLogger(__name__)
-
-HEARTBEAT_S = 1.0
-
-
-async def _heartbeat(store: Store, worker_id: str, instance: str) -> None:
-    while True:
-        await asyncio.sleep(HEARTBEAT_S)
-        try:
-            if not await store.heartbeat(worker_id, instance, meminfo_mib("MemAvailable")):
-                log.error("another process registered as worker %s; stopping", worker_id)
-                return
-        except Exception as e:  # the database may be restarting; keep trying
-            log.warning("heartbeat failed: %s", e)
 
 
 async def _identity(ws: WorkerSettings, directory: Path, worker_id: str) -> TLSFiles | None:
@@ -81,11 +66,11 @@ async def _listening(host: str, port: int, serving: asyncio.Future[None]) -> Non
     serving.result()  # it ended before it listened: say why
 
 
-async def run(
-    settings: Settings, database_url: str, *, worker_id: str, host: str, port: int, url: str
-) -> None:
+async def run(settings: Settings, *, worker_id: str, host: str, port: int, url: str) -> None:
     crashpoints.arm(settings.crash_at)
     ws = settings.worker
+    if not ws.control_url:
+        raise SystemExit("SPACE_CONTROL_URL must name the API: a worker registers there")
     if ws.driver == "firecracker" and ws.network:
         raise SystemExit(
             "the Firecracker driver opens its tap by name inside the sandbox's network "
@@ -111,7 +96,7 @@ async def run(
         await manager.start()  # re-adopt before announcing ourselves, so recovery finds the VMs
         supervisor = GatewaySupervisor(gateway, egress) if gateway and egress else None
         try:
-            await _serve(settings, manager, supervisor, database_url, worker_id, host, port, url)
+            await _serve(settings, manager, supervisor, worker_id, host, port, url)
         finally:
             await manager.close(stop_vms=False)  # VMs outlive the process; the next adopts them
     finally:
@@ -123,7 +108,6 @@ async def _serve(
     settings: Settings,
     manager: VMManager,
     supervisor: GatewaySupervisor | None,
-    database_url: str,
     worker_id: str,
     host: str,
     port: int,
@@ -137,32 +121,31 @@ async def _serve(
     registry = CollectorRegistry()
     registry.register(SandboxCollector(manager, asyncio.get_running_loop()))
     serve_metrics(settings.worker.metrics_address, settings.load_metrics_token(), registry)
-    store = Store(connect(database_url, pool_size=2))
-    await migrate.upgrade(store.engine)
     instance = secrets.token_hex(8)
     fence = Fence(manager.root / EPOCH_FILE)
     tls = await _identity(settings.worker, manager.root / "identity", worker_id)
+    secret = settings.load_worker_secret()
     serving = asyncio.ensure_future(
-        serve(manager, settings.load_worker_secret(), host, port, fence=fence,
+        serve(manager, secret, host, port, fence=fence,
               problems=problems, instance=instance, tls=tls)
     )  # fmt: skip
-    # Announced only once it answers: a caller picking it at once must reach it.
+    # Registered only once it answers: the API calls it back, and a caller picking it at once
+    # must reach it. What it admits is what its health says (after its reserve).
     await _listening(host, port, serving)
-    # What it admits, as its own admission counts it (after its reserve): placement must not
-    # send what the worker would refuse.
-    cap = manager.capacity
-    await store.register_worker(
-        worker_id, url, instance, cap.vcpus, cap.memory_mib - cap.reserve_mib
-    )
-    tasks = [serving, asyncio.ensure_future(_heartbeat(store, worker_id, instance)),
+    control = ControlPlane(settings.worker.control_url, secret, worker_id, instance)
+    tasks = [serving, asyncio.ensure_future(control.run(url)),
              asyncio.ensure_future(Watch(manager).run())]  # fmt: skip
     if supervisor is not None:
         tasks.append(asyncio.ensure_future(supervisor.run()))
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # why it ended, if it failed
+    except Refused as e:
+        raise SystemExit(str(e)) from None
     finally:
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await store.close()
+        await control.close()

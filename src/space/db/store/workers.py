@@ -81,18 +81,6 @@ class WorkerQueries(Queries):
                 .on_conflict_do_update(index_elements=[t.workers.c.id], set_=values)
             )
 
-    async def heartbeat(
-        self, worker_id: str, instance: str, mem_available_mib: int | None = None
-    ) -> bool:
-        """False if another process registered as this worker since (this one must stop)."""
-        async with self.engine.begin() as c:
-            res = await c.execute(
-                t.workers.update()
-                .where(t.workers.c.id == worker_id, t.workers.c.instance == instance)
-                .values(heartbeat_at=sa.func.now(), mem_available_mib=mem_available_mib)
-            )
-            return res.rowcount == 1
-
     async def ready_workers(self) -> int:
         """Workers that can take sandboxes now: active, and with no problem reported."""
         w = t.workers.c
@@ -118,14 +106,15 @@ class WorkerQueries(Queries):
 
     async def worker_health(
         self, worker_id: str, overhead_mib: int, used_memory_mib: int, disk: tuple[int, int],
-        problem: str | None, age_s: float = 0.0,
+        problem: str | None, age_s: float = 0.0, mem_available_mib: int | None = None,
     ) -> None:  # fmt: skip
         """What a probe learnt `age_s` ago: VMM overhead, memory in use as measured, disk
-        (capacity, promised) and any problem."""
+        (capacity, promised), any problem, and the host's MemAvailable."""
         w = t.workers.c
         values = {"overhead_mib": overhead_mib, "used_memory_mib": used_memory_mib,
                   "capacity_disk_mib": disk[0], "used_disk_mib": disk[1],
-                  "problem": problem}  # fmt: skip
+                  "problem": problem, "mem_available_mib": mem_available_mib,
+                  "heartbeat_at": sa.func.now()}  # fmt: skip
         async with self.engine.begin() as c:
             await c.execute(
                 t.workers.update()
