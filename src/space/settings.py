@@ -141,6 +141,17 @@ ADMIT_MEMORY = ("measured", "guest")
 
 
 @dataclass(frozen=True)
+class RegistrySettings:
+    """The OCI registry that templates, snapshots of suspended sandboxes and volumes are pushed
+    to, so that any worker can run them; "" (the default): each stays on the host that made it."""
+
+    url: str = ""  # host[:port]/prefix
+    insecure: bool = False  # plain HTTP: only for a registry on this host or a private address
+    username: str = ""
+    password: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
 class WorkerSettings:
     driver: Literal["qemu", "firecracker"] = "qemu"
     accel: Literal["auto", "kvm", "tcg"] = "auto"
@@ -175,6 +186,7 @@ class WorkerSettings:
     tls: bool = False
     join_token_file: Path | None = None
     control_url: str = ""
+    registry: RegistrySettings = field(default_factory=RegistrySettings)
     gateway: GatewayEnv = field(default_factory=GatewayEnv)
 
 
@@ -277,6 +289,12 @@ class Settings:
                 tls=e.flag("SPACE_WORKER_TLS", False),
                 join_token_file=Path(token_file) if token_file else None,
                 control_url=e.text("SPACE_CONTROL_URL"),
+                registry=RegistrySettings(
+                    url=e.text("SPACE_REGISTRY"),
+                    insecure=e.flag("SPACE_REGISTRY_INSECURE", False),
+                    username=e.text("SPACE_REGISTRY_USERNAME"),
+                    password=e.text("SPACE_REGISTRY_PASSWORD"),
+                ),
                 gateway=GatewayEnv(
                     upstream_dns=e.text("SPACE_GATEWAY_UPSTREAM_DNS"),
                     upstream_ca=Path(ca) if ca else None,

@@ -179,10 +179,12 @@ class RegistryClient:
 
     # --- requests and auth -------------------------------------------------------------------
 
-    async def _send(self, url: str, headers: dict[str, str], stream: bool) -> httpx.Response:
+    async def _send(
+        self, method: str, url: str, headers: dict[str, str], stream: bool, content: bytes | None
+    ) -> httpx.Response:
         if self._auth:
             headers = {**headers, "Authorization": self._auth}
-        req = self._http.build_request("GET", url, headers=headers)
+        req = self._http.build_request(method, url, headers=headers, content=content)
         try:
             return await self._http.send(req, stream=stream)
         except httpx.HTTPError as e:
@@ -192,14 +194,21 @@ class RegistryClient:
     async def _get(
         self, url: str, headers: dict[str, str] | None = None, stream: bool = False
     ) -> httpx.Response:
+        return await self._request("GET", url, headers, stream=stream)
+
+    async def _request(
+        self, method: str, url: str, headers: dict[str, str] | None = None, *,
+        stream: bool = False, content: bytes | None = None,
+    ) -> httpx.Response:  # fmt: skip
+        """The request, authenticated as the registry's challenge asks if it answers 401."""
         headers = headers or {}
-        resp = await self._send(url, headers, stream)
+        resp = await self._send(method, url, headers, stream, content)
         if resp.status_code != 401:
             return resp
         challenge = resp.headers.get("www-authenticate", "")
         await resp.aclose()
         await self._authenticate(challenge)
-        resp = await self._send(url, headers, stream)
+        resp = await self._send(method, url, headers, stream, content)
         if resp.status_code == 401:
             await resp.aclose()
             raise self._refused()
@@ -208,7 +217,7 @@ class RegistryClient:
     def _refused(self) -> AuthenticationFailed:
         if self.credentials is None:
             return AuthenticationFailed(
-                f"registry {self.ref.registry} needs credentials to pull {self.ref.repository}; "
+                f"registry {self.ref.registry} needs credentials for {self.ref.repository}; "
                 "give a username and password"
             )
         return AuthenticationFailed(
@@ -344,3 +353,73 @@ class RegistryClient:
         finally:
             tmp.unlink(missing_ok=True)
         return dest
+
+    async def read_verified(self, desc: oci.Descriptor, limit: int) -> bytes:
+        """A blob of at most `limit` bytes, in memory and checked against its digest; nothing
+        is kept on disk."""
+        oci.check_digest(desc.digest)
+        if desc.size > limit:
+            raise RegistryError(f"blob {desc.digest} is {desc.size} bytes, over {limit}")
+        resp = await self._get(f"{self.base}/blobs/{desc.digest}", stream=True)
+        try:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise self._error(resp, f"blob {desc.digest}")
+            data = bytearray()
+            async for chunk in resp.aiter_bytes(1 << 20):
+                data += chunk
+                if len(data) > desc.size:
+                    raise DigestMismatch(f"blob {desc.digest}: more than {desc.size} bytes")
+        except httpx.HTTPError as e:
+            raise RegistryError(f"download of blob {desc.digest} broke off: {e}") from None
+        finally:
+            await resp.aclose()
+        if oci.sha256_digest(bytes(data)) != desc.digest:
+            raise DigestMismatch(f"blob {desc.digest} of {self.ref} does not hash to its digest")
+        return bytes(data)
+
+    # --- pushes ------------------------------------------------------------------------------
+
+    async def has_blob(self, digest: str) -> bool:
+        resp = await self._request("HEAD", f"{self.base}/blobs/{digest}")
+        await resp.aclose()
+        return resp.status_code == 200
+
+    async def push_blob(self, data: bytes, digest: str) -> bool:
+        """Upload a blob unless the repository has it (then False): a session, then one PUT."""
+        if await self.has_blob(digest):
+            return False
+        resp = await self._request("POST", f"{self.base}/blobs/uploads/")
+        if resp.status_code != 202 or "location" not in resp.headers:
+            raise self._error(resp, "an upload session")
+        location = str(resp.url.join(resp.headers["location"]))
+        sep = "&" if "?" in location else "?"
+        resp = await self._request(
+            "PUT", f"{location}{sep}digest={digest}",
+            {"Content-Type": "application/octet-stream"}, content=data,
+        )  # fmt: skip
+        if resp.status_code != 201:
+            raise self._error(resp, f"the upload of blob {digest}")
+        return True
+
+    async def push_manifest(self, reference: str, data: bytes, media_type: str) -> str:
+        """Put a manifest under a tag (or its digest); its digest."""
+        resp = await self._request(
+            "PUT", f"{self.base}/manifests/{reference}", {"Content-Type": media_type}, content=data
+        )
+        if resp.status_code != 201:
+            raise self._error(resp, f"the manifest {self.ref.repository}:{reference}")
+        return oci.sha256_digest(data)
+
+    async def document(self, digest: str) -> oci.Manifest:
+        """The manifest pinned by `digest`."""
+        _, doc, _ = await self._document(digest)
+        if not isinstance(doc, oci.Manifest):
+            raise RegistryError(f"{self.ref.repository}@{digest} is an index, not a manifest")
+        return doc
+
+    async def delete_manifest(self, digest: str) -> None:
+        resp = await self._request("DELETE", f"{self.base}/manifests/{digest}")
+        await resp.aclose()
+        if resp.status_code not in (202, 404):
+            raise self._error(resp, f"the deletion of {self.ref.repository}@{digest}")
