@@ -31,12 +31,14 @@ from space.db import tables as t
 from space.db.store import Store, connect
 from space.pki import make_ca
 from space.worker import netsetup
+from space.worker.storage.pool import ensure_pool
 
 from .network.world import DNS_IP, World, cleanup
 from .vm.conftest import vmm_pids
 
 SPACE = [sys.executable, "-m", "space.cli.main"]
 POOL = Path("/var/lib/space/pool/workers")
+HOSTS = Path("/var/lib/space/pool/hosts")  # a pool of its own per worker: one host each
 CONTROL_PLANE_ONLY = ("SPACE_WORKER_CA_DIR", "SPACE_DATABASE_URL")
 
 
@@ -102,6 +104,15 @@ class Platform:
     worker_metrics: dict[str, str] = field(default_factory=dict)  # worker id: metrics URL
     env: dict[str, str] = field(default_factory=dict)
     tmp: Path = Path()
+    own_pools: bool = False  # each worker a host of its own: nothing on disk is shared
+
+    def pool_of(self, worker_id: str) -> Path:
+        """The pool the worker's templates, snapshots and volumes are in."""
+        return HOSTS / worker_id if self.own_pools else POOL.parent
+
+    def root_of(self, worker_id: str) -> Path:
+        """The worker's own directory: its VMs, their disks and snapshots."""
+        return self.pool_of(worker_id) / "workers" / worker_id
 
     def add_worker(self, worker_id: str, **env: str) -> Service:
         """A worker; under mutual TLS it joins with a token of its own (`env` may say
@@ -112,6 +123,8 @@ class Platform:
         # at the API.
         own = {k: v for k, v in self.env.items() if k not in CONTROL_PLANE_ONLY}
         own.update(SPACE_WORKER_METRICS=metrics, SPACE_CONTROL_URL=self.api_url)
+        if self.own_pools:
+            own["SPACE_POOL_DIR"] = str(self.pool_of(worker_id))
         if "SPACE_WORKER_CA_DIR" in self.env:
             token = self.tmp / f"join-{worker_id}"
             token.write_text(asyncio.run(_join_token(self.database_url, worker_id)))
@@ -130,10 +143,11 @@ class Platform:
     def remove_worker(self, worker_id: str) -> None:
         """Stop a worker and take away whatever it left: its VMs, disks, snapshots, networks."""
         self.workers.pop(worker_id).stop()
-        for pid in vmm_pids(POOL / worker_id):
+        root = self.root_of(worker_id)
+        for pid in vmm_pids(root):
             os.kill(pid, signal.SIGKILL)
-        asyncio.run(netsetup.remove_networks(worker_id, POOL / worker_id, Path("/var/lib/space")))
-        shutil.rmtree(POOL / worker_id, ignore_errors=True)
+        asyncio.run(netsetup.remove_networks(worker_id, root, Path("/var/lib/space")))
+        shutil.rmtree(self.pool_of(worker_id) if self.own_pools else root, ignore_errors=True)
 
     @property
     def worker_id(self) -> str:
@@ -223,8 +237,10 @@ async def _bootstrap(url: str) -> tuple[str, str, str]:
         await store.close()
 
 
-def launch(tmp: Path, tls: bool = False) -> Platform:
-    """A whole platform of real processes, with a local internet for its gateways."""
+def launch(tmp: Path, tls: bool = False, registry: str = "") -> Platform:
+    """A whole platform of real processes, with a local internet for its gateways. With a
+    `registry` (host:port of a plain-HTTP one), templates, snapshots and volumes go there, and
+    every worker is a host of its own, with its own pool."""
     if os.geteuid() != 0:
         pytest.fail("the platform tests need root")
     # A small "internet" of namespaces (DNS, HTTP and HTTPS origins) for the gateways.
@@ -261,6 +277,9 @@ def launch(tmp: Path, tls: bool = False) -> Platform:
         "SPACE_LOG_FORMAT": "json",
         "SPACE_LOG_LEVEL": "info",
     }
+    if registry:
+        env.update(SPACE_REGISTRY=f"{registry}/space", SPACE_REGISTRY_INSECURE="1")
+        ensure_pool()  # the hosts' pools are directories of it: reflinks, as on a real host
     if tls:
         env["SPACE_WORKER_CA_DIR"] = str(tmp / "worker-ca")
         make_ca(tmp / "worker-ca" / "ca.pem", tmp / "worker-ca" / "ca.key", "SPACE worker CA")
@@ -277,6 +296,7 @@ def launch(tmp: Path, tls: bool = False) -> Platform:
         controller=Service("controller", ["controller"], env, tmp / "controller.log"),
         env=env,
         tmp=tmp,
+        own_pools=bool(registry),
     )
     p.controller.start()
     p.api.start()

@@ -194,7 +194,8 @@ DEFAULTED = {
 }
 # Values that must be the same in every process and are never written in a manifest.
 FROM_SECRETS = ("SPACE_DATABASE_URL", "SPACE_WORKER_SECRET", "SPACE_SECRETS_KEYS",
-                "SPACE_METRICS_TOKEN")  # fmt: skip
+                "SPACE_METRICS_TOKEN", "SPACE_REGISTRY_USERNAME",
+                "SPACE_REGISTRY_PASSWORD")  # fmt: skip
 # Per `space` command a pod runs: what it must be given, and what it must never hold.
 NEEDS = {
     "api": ({"SPACE_DATABASE_URL", "SPACE_WORKER_SECRET", "SPACE_SECRETS_KEYS",
@@ -208,7 +209,7 @@ NEEDS = {
     # database's credentials (it registers at the API).
     "worker": ({"SPACE_WORKER_SECRET", "SPACE_METRICS_TOKEN",
                 "SPACE_GATEWAY_CA_DIR", "SPACE_STATE_DIR", "SPACE_CACHE_DIR", "SPACE_WORKER_TLS",
-                "SPACE_CONTROL_URL", "SPACE_WORKER_JOIN_TOKEN_FILE"},
+                "SPACE_CONTROL_URL", "SPACE_WORKER_JOIN_TOKEN_FILE", "SPACE_REGISTRY"},
                {"SPACE_SECRETS_KEYS", "SPACE_WORKER_CA_DIR", "SPACE_DATABASE_URL"}),
     "admin": ({"SPACE_DATABASE_URL"}, set()),
 }  # fmt: skip

@@ -47,7 +47,8 @@ from space.settings import Settings
 from space.worker.api.client import WorkerClient
 
 SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([A-Za-z0-9_.-]{1,100})(?:/|$)")
-QUIET = frozenset({"/healthz", "/metrics"})  # probes and scrapes: a line each only at DEBUG
+# Probes, scrapes and workers' heartbeats: a line each only at DEBUG.
+QUIET = frozenset({"/healthz", "/metrics", "heartbeat"})
 OPENAPI_FILE = Path(__file__).resolve().parents[3] / "docs" / "openapi.json"
 
 

@@ -197,6 +197,10 @@ class Built(BaseModel):
     build_seconds: float
     vcpus: int | None = Field(None, description="made of a checkpoint: its sandboxes' vCPUs")
     memory_mib: int | None = Field(None, description="made of a checkpoint: their memory")
+    artifact: str | None = Field(
+        None, description="where the build is in the deployment's registry (any worker runs "
+        "it); none: it runs only on the worker that built it"
+    )  # fmt: skip
 
 
 class Template(BaseModel):

@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from space.api.deps import Caller, Svc, require_admin
+from space.api.errors import APIError
 from space.controller.placement import used_memory_mib
 from space.db.store import Row
 from space.db.store.workers import WorkerLoad
@@ -20,6 +21,9 @@ router = APIRouter(prefix="/v1/workers", tags=["workers"])
 class WorkerInfo(BaseModel):
     id: str
     state: str = Field(description="active, or lost (it stopped answering)")
+    draining: bool = Field(description="being drained: it takes nothing new, its sandboxes move")
+    registry: bool = Field(description="it pushes to the registry: its sandboxes can move")
+    templates: list[str] = Field(description="the templates it holds")
     problem: str | None = Field(description="why it takes no work now, if it does not")
     sandboxes: int = Field(description="sandboxes placed there that hold room (pool members too)")
     pool_members: int
@@ -47,6 +51,27 @@ async def list_workers(svc: Svc, caller: Caller) -> WorkerList:
     return WorkerList(items=describe(await svc.store.workers(), await svc.store.worker_load()))
 
 
+@router.post("/{worker_id}/drain", response_model=WorkerInfo)
+async def drain(svc: Svc, caller: Caller, worker_id: str) -> WorkerInfo:
+    """Keep new work away from the worker and move its sandboxes off it (docs/api.md)."""
+    return await _set_draining(svc, caller, worker_id, True)
+
+
+@router.delete("/{worker_id}/drain", response_model=WorkerInfo)
+async def undrain(svc: Svc, caller: Caller, worker_id: str) -> WorkerInfo:
+    """The worker takes work again."""
+    return await _set_draining(svc, caller, worker_id, False)
+
+
+async def _set_draining(svc: Svc, caller: Caller, worker_id: str, draining: bool) -> WorkerInfo:
+    require_admin(caller, "drain workers")
+    if await svc.store.set_draining(worker_id, draining) is None:
+        raise APIError(404, f"no worker {worker_id}")
+    (info,) = [i for i in describe(await svc.store.workers(), await svc.store.worker_load())
+               if i.id == worker_id]  # fmt: skip
+    return info
+
+
 def describe(workers: Sequence[Row], load: Mapping[str, WorkerLoad]) -> list[WorkerInfo]:
     """What the API and `space admin workers` say of each worker."""
     items = []
@@ -56,6 +81,9 @@ def describe(workers: Sequence[Row], load: Mapping[str, WorkerLoad]) -> list[Wor
             WorkerInfo(
                 id=w["id"],
                 state=w["state"],
+                draining=w["draining"],
+                registry=w["registry"],
+                templates=sorted(w["templates"] or {}),
                 problem=w["problem"],
                 sandboxes=here.count,
                 pool_members=here.pool_count,

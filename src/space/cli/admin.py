@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -143,6 +144,72 @@ def workers(as_json: bool) -> None:
           i.problem or "") for i in items],
         empty="no workers",
     )  # fmt: skip
+
+
+@admin.command("drain")
+@click.argument("worker_id")
+@click.option("--undo", is_flag=True, help="let the worker take work again")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="follow until all that can leave has left")  # fmt: skip
+@click.option("--timeout", type=click.FloatRange(1), default=900.0, show_default=True)
+def drain(worker_id: str, undo: bool, wait: bool, timeout: float) -> None:
+    """Keep new sandboxes off a worker and move what it runs to others: pool members are let
+    go (pools refill elsewhere), running sandboxes are suspended and resumed on another worker,
+    suspended ones are moved; those with volumes stay."""
+    from space.controller.moves import to_move
+
+    async def mark(store: Store) -> bool:
+        return await store.set_draining(worker_id, not undo) is not None
+
+    if not _run(mark):
+        raise click.ClickException(f"no worker {worker_id}")
+    if undo:
+        click.echo(f"worker {worker_id} takes work again")
+        return
+
+    async def status(store: Store) -> tuple[list[str], dict[str, str]]:
+        worker = await store.worker(worker_id)
+        assert worker is not None
+        return to_move(worker, await store.on_worker(worker_id))
+
+    leaving, staying = _run(status)
+    started = set(leaving)
+
+    async def not_done(store: Store) -> list[str]:
+        """Those still to leave, and those that left and are not settled elsewhere yet."""
+        here, _ = await status(store)
+        moving = []
+        for sandbox_id in started - set(here):
+            row = await store.get_sandbox(sandbox_id)
+            if row["state"] in ("pending", "starting", "suspending", "resuming"):
+                moving.append(sandbox_id)
+        return here + moving
+
+    if wait and leaving:
+        _follow_drain(worker_id, len(leaving), lambda: _run(not_done), timeout)
+    leaving, staying = _run(status)
+    for sandbox_id, why in sorted(staying.items()):
+        click.echo(f"{sandbox_id} stays: {why}")
+    if leaving:
+        click.echo(f"worker {worker_id} is draining: {len(leaving)} sandboxes still to move")
+    else:
+        click.echo(f"worker {worker_id} is drained" + (f"; {len(staying)} stay" if staying else ""))
+
+
+def _follow_drain(
+    worker_id: str, total: int, left: Callable[[], list[str]], timeout: float
+) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    deadline = time.monotonic() + timeout
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True)) as progress:  # fmt: skip
+        task = progress.add_task(f"draining {worker_id}", total=total)
+        while (remaining := len(left())) and time.monotonic() < deadline:
+            progress.update(task, completed=max(total - remaining, 0))
+            time.sleep(1.0)
+        progress.update(task, completed=total - remaining)
 
 
 @admin.command("rotate-secrets-key")

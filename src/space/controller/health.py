@@ -100,7 +100,7 @@ class WorkerHealth:
             w["id"], health.overhead_mib, health.used.memory_mib,
             (health.capacity.disk_mib, health.used.disk_mib),
             "; ".join(health.problems) or None, time.monotonic() - asked,
-            health.mem_available_mib,
+            health.mem_available_mib, health.templates, health.registry,
         )  # fmt: skip
         await self._verify(worker, health, rows)
 
@@ -115,7 +115,13 @@ class WorkerHealth:
             await self.store.set_worker_state(w["id"], "lost")
         reason = f"worker {w['id']} lost: no answer for {silent:.0f} s"
         for row in await self.store.on_worker(w["id"]):
-            if row["state"] in LIVE:
+            if row["state"] == "starting" and row["boot"] is None:
+                # It never ran: nothing of it is on that host to wait for. Placed again.
+                await self.store.transition(
+                    row["id"], ["starting"], "pending", worker_id=None, fence=self.epoch(),
+                    reason=f"{reason}; placed again",
+                )  # fmt: skip
+            elif row["state"] in LIVE:
                 await self.store.transition(
                     row["id"], [row["state"]], "error", reason=reason, prev_state=row["state"],
                     fence=self.epoch(),

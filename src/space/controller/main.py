@@ -71,8 +71,10 @@ async def _lead(
     health = WorkerHealth(store, workers, sealer, cs.worker_lost_after_s, leadership.check)
     pools = Pools(store, settings.pools)
     builds = upkeep.TemplateBuilds(store, workers, sealer, leadership)
+    reconciler = Reconciler(store, workers, listener, pools, sealer, leadership, cs)
     loops: list[Callable[[], Awaitable[None]]] = [
-        Reconciler(store, workers, listener, pools, sealer, leadership, cs).run,
+        reconciler.run,
+        partial(upkeep.every, 1.0, "drains", reconciler.moves.drain),
         partial(pools.run, listener),
         partial(upkeep.every, cs.probe_interval_s, "worker health", health.once),
         partial(upkeep.every, 1.0, "timeouts", partial(upkeep.timeouts, store)),

@@ -11,11 +11,22 @@ its resume's room); an `error` one holds none.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from space.db.store import Row
 from space.db.store.workers import WorkerLoad
+
+# A pull costs seconds per GiB; a worker that holds the template wins against one up to this
+# much less loaded (a share of its memory or vCPUs), and loses beyond.
+AFFINITY = 0.25
+
+
+def holding(workers: Sequence[Row], template: str, record: Mapping[str, Any] | None) -> set[str]:
+    """The workers that hold the build of `template` in use (their probes say so)."""
+    digest = (record or {}).get("digest")
+    return {w["id"] for w in workers if digest and (w["templates"] or {}).get(template) == digest}
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,8 @@ def shortage(w: Row, load: Load, need: Need, members_give_way: bool = False) -> 
     """Why `need` does not fit on worker `w` now; None if it does."""
     if w["state"] != "active":
         return f"worker {w['id']} is {w['state']}"
+    if w["draining"]:
+        return f"worker {w['id']} is being drained"
     if w["problem"]:
         return f"worker {w['id']}: {w['problem']}"
     here = load.get(w["id"], WorkerLoad())
@@ -68,8 +81,11 @@ def shortage(w: Row, load: Load, need: Need, members_give_way: bool = False) -> 
 
 
 def pick_worker(
-    workers: Sequence[Row], load: Load, need: Need, members_give_way: bool = False
-) -> str | None:
+    workers: Sequence[Row], load: Load, need: Need, members_give_way: bool = False,
+    prefer: Collection[str] = (),
+) -> str | None:  # fmt: skip
+    """The least loaded worker `need` fits on; a worker in `prefer` (one that holds the
+    template already) counts as AFFINITY less loaded than it is."""
     best: tuple[float, str] | None = None
     for w in workers:
         if shortage(w, load, need, members_give_way) is not None:
@@ -77,6 +93,8 @@ def pick_worker(
         here = load.get(w["id"], WorkerLoad())
         used_mem = used_memory_mib(w, here, members_give_way)
         score = max(used_mem / w["capacity_memory_mib"], here.vcpus / w["capacity_vcpus"])
+        if w["id"] in prefer:
+            score -= AFFINITY
         if best is None or (score, w["id"]) < best:
             best = (score, w["id"])
     return best[1] if best else None

@@ -23,7 +23,8 @@ from typing import Any
 
 from space import logs
 from space.controller.leader import Leadership, LostLeadership
-from space.controller.placement import Need, pick_worker, why_not
+from space.controller.moves import Moves
+from space.controller.placement import Need, holding, pick_worker, why_not
 from space.controller.pools import Pools
 from space.db.listen import Listener
 from space.db.sealing import Sealer, SealError
@@ -31,7 +32,7 @@ from space.db.store import Refused, Row, Store
 from space.netpolicy import placeholder_env, policy_for
 from space.settings import ControllerSettings
 from space.worker.api.client import Worker, WorkerClient, WorkerError
-from space.worker.api.models import CreateVM, VolumeSpec
+from space.worker.api.models import CreateVM, TemplateBuild, VolumeSpec
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Reconciler:
         self.settings = settings
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._placement = asyncio.Lock()
+        self.moves = Moves(store, workers, sealer, leadership.check, self._placement)
         self._lost: LostLeadership | None = None
         self._wake = asyncio.Event()
 
@@ -161,6 +163,11 @@ class Reconciler:
             await self._push_network(row)
         step = STEPS.get(desired)
         if step and state != desired and state in FROM[desired]:
+            if state == "suspended" and desired == "running":
+                moved = await self.moves.relocate(row)  # its worker may be gone
+                if moved is None:
+                    return False
+                row = moved
             return await self._to(row, [state], step[0], prev_state=state) is not None
         return False
 
@@ -188,7 +195,9 @@ class Reconciler:
             if homes:  # its template's or volumes' images are on one host: it must go there
                 workers = [w for w in workers if w["id"] in homes]
             need = Need(row["vcpus"], row["memory_mib"], row["disk_mib"])
-            worker_id = pick_worker(workers, load, need)
+            prefer = holding(workers, row["template"],
+                             await self.store.template_record(row["template"]))  # fmt: skip
+            worker_id = pick_worker(workers, load, need, prefer=prefer)
             if worker_id is None and row["pool"]:
                 # A pool never waits for room: it only fills what real sandboxes leave free.
                 await self.store.drop_pool_members([row["id"]], "no worker has room")
@@ -217,8 +226,13 @@ class Reconciler:
         except (Refused, SealError) as e:
             await self._to(row, ["starting"], "error", reason=str(e))
             return False
+        record = await self.store.template_record(row["template"]) or {}
         body = CreateVM(
             template=row["template"],
+            # In the registry: the worker pulls it first if it does not hold that build.
+            template_build=TemplateBuild(digest=record["digest"], artifact=record["artifact"])
+            if record.get("artifact")
+            else None,
             vcpus=row["vcpus"],
             memory_mib=row["memory_mib"],
             disk_mib=row["disk_mib"],
@@ -274,7 +288,7 @@ class Reconciler:
         if worker is None:
             return False
         try:
-            await self.workers.change_vm(worker, row["id"], step[1])
+            done = await self.workers.change_vm(worker, row["id"], step[1])
         except WorkerError as e:
             if e.status in (0, 412, 503):
                 raise
@@ -290,7 +304,9 @@ class Reconciler:
                 await self._to(row, [state], "error", reason=e.detail)
             return False
         log.info("sandbox %s %s on worker %s: done", row["id"], step[1], worker.id)
-        return await self._to(row, [state], step[2]) is not None
+        # Suspended: where its snapshot went, if it went to the registry; running: none.
+        values = {"artifact": done.artifact} if step[1] in ("suspend", "resume") else {}
+        return await self._to(row, [state], step[2], **values) is not None
 
     async def _delete(self, row: Row) -> bool:
         sid, state = row["id"], row["state"]

@@ -137,6 +137,13 @@ class TemplateBuilds:
             async def remove(w: Worker, name: str = tpl["id"]) -> None:
                 await self.workers.delete_template(w, name)
 
+            # Its builder must let it go; other workers that pulled it, if they answer.
+            copies = {
+                w["id"] for w in await self.store.workers()
+                if tpl["id"] in (w["templates"] or {}) and w["state"] == "active"
+            }  # fmt: skip
+            for worker_id in sorted(copies - {tpl["worker_id"]}):
+                await _remove_on_worker(self.store, worker_id, remove)
             if await _remove_on_worker(self.store, tpl["worker_id"], remove):
                 await self.store.forget_template(tpl["id"])
 
@@ -151,10 +158,12 @@ class TemplateBuilds:
                 await self.store.fail_queued_build(build["template_id"], build["request_id"], gone)
                 return
             home = build["checkpoint_worker"]  # its files are there
-        if home is not None:
-            # Its sandboxes and its build cache are there: a rebuild stays on that worker.
+        if home is not None and (build["checkpoint_id"] is not None or not build["artifact"]):
+            # Its files (and its build cache) are there: the build must run on that worker.
             workers = [w for w in workers if w["id"] == home]
-        worker_id = pick_worker(workers, await self.store.worker_load(), BUILD_NEED)
+        # A template in the registry is rebuilt anywhere, where its build cache is if it can.
+        prefer = {home} if home is not None else set()
+        worker_id = pick_worker(workers, await self.store.worker_load(), BUILD_NEED, prefer=prefer)
         if worker_id is None:
             return  # it waits in the queue until there is room
         w = next(w for w in workers if w["id"] == worker_id)

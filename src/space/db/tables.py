@@ -63,6 +63,12 @@ workers = sa.Table(
     sa.Column("capacity_memory_mib", sa.Integer, nullable=False),
     sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("mem_available_mib", sa.Integer),  # the host's MemAvailable at its last probe
+    # The templates it holds (name: digest of its newest build), as its last probe said.
+    sa.Column("templates", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    # Being drained (`space admin drain`): no new work; its sandboxes are moved off it.
+    sa.Column("draining", sa.Boolean, nullable=False, server_default=sa.false()),
+    # It pushes to the deployment's registry (its probes say): its sandboxes can move.
+    sa.Column("registry", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     # From its health probes: what each VMM costs beyond its guest's RAM, what its disks may
     # still take, and why it takes no work if it does not (its gateway is down, …).
@@ -103,6 +109,8 @@ sandboxes = sa.Table(
     # A warm-pool member: owned by POOL_TENANT until a create claims it.
     sa.Column("pool", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("boot", sa.Text),  # how it came to run first: pool, restore or cold
+    # While suspended: where its snapshot is in the registry, so any worker can resume it.
+    sa.Column("artifact", sa.Text),
     # Egress policy changes: the API bumps the version, the controller pushes it to the worker
     # and records the version in force there.
     sa.Column("network_version", sa.Integer, nullable=False, server_default="0"),

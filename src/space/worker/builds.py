@@ -24,6 +24,7 @@ from pathlib import Path
 
 from space.worker.agent_client import AgentError
 from space.worker.api.models import TEMPLATE
+from space.worker.artifacts import templates as template_artifacts
 from space.worker.sandboxes import VMManager, checkpoint_templates
 from space.worker.sandboxes.errors import InvalidArgument, VMNotFound
 from space.worker.templates import (
@@ -33,8 +34,11 @@ from space.worker.templates import (
     TemplateError,
     TemplateRecord,
     build_template,
+    list_templates,
     parse_spec,
+    remove_template,
 )
+from space.worker.templates.errors import RegistryError
 from space.worker.vmm.base import VMMError
 
 log = logging.getLogger(__name__)
@@ -55,16 +59,15 @@ class Build:
     state: str = "building"  # building | ready | failed
     error: str | None = None
     record: TemplateRecord | None = None
+    artifact: str | None = None  # where it was pushed, if the deployment has a registry
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def status(self) -> dict[str, object]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "state": self.state,
-            "error": self.error,
-            "record": self.record.to_json() if self.record else None,
-        }
+        record = self.record.to_json() if self.record else None
+        if record is not None and self.artifact is not None:
+            record["artifact"] = self.artifact
+        return {"id": self.id, "name": self.name, "state": self.state, "error": self.error,
+                "record": record}  # fmt: skip
 
 
 class Builds:
@@ -140,7 +143,10 @@ class Builds:
 
         async def run() -> None:
             try:
+                had = {r.digest for r in list_templates(self.manager.pool.root) if r.name == name}
                 build.record = await job(build.log)
+                if self.manager.artifacts is not None:
+                    build.artifact = await self._push(build.record, build.log, had)
                 build.state = "ready"
             except TemplateError as e:
                 build.state, build.error = "failed", str(e)
@@ -156,6 +162,23 @@ class Builds:
         self._builds[build.id] = build
         self._forget_old()
         return build
+
+    async def _push(self, record: TemplateRecord, say: BuildLog, had: set[str]) -> str:
+        """Push the build; one that cannot be pushed leaves this worker too if it is new, for
+        no other worker could run it."""
+        assert self.manager.artifacts is not None
+        try:
+            pushed = await template_artifacts.push(self.manager.artifacts, record, say)
+        except (RegistryError, OSError) as e:
+            if record.digest not in had:
+                await asyncio.to_thread(remove_template, self.manager.pool.root, record.name,
+                                        record.digest)  # fmt: skip
+                self.manager.refresh_templates()
+            raise BuildError(
+                f"the template was built but not pushed to the registry: {e}"
+            ) from None
+        say(f"pushed: {pushed.reference} ({pushed.uploaded} of {pushed.blobs} chunks sent)")
+        return pushed.reference
 
     def get(self, build_id: str) -> Build | None:
         return self._builds.get(build_id)

@@ -17,6 +17,7 @@ from space.metrics_server import serve_metrics
 from space.settings import Settings, WorkerSettings
 from space.worker import ksm, netsetup
 from space.worker.api.server import serve
+from space.worker.artifacts import Artifacts
 from space.worker.fence import Fence
 from space.worker.local import local_runtime
 from space.worker.metrics import SandboxCollector
@@ -91,7 +92,7 @@ async def run(settings: Settings, *, worker_id: str, host: str, port: int, url: 
                            capacity_memory_mib=ws.memory_mib or None,
                            vcpu_overcommit=ws.vcpu_overcommit, admit_memory=ws.admit_memory,
                            reserve_mib=ws.reserve_mib, base_snapshots=ws.base_snapshots),
-            egress,
+            egress, Artifacts(ws.registry) if ws.registry.url else None,
         )  # fmt: skip
         await manager.start()  # re-adopt before announcing ourselves, so recovery finds the VMs
         supervisor = GatewaySupervisor(gateway, egress) if gateway and egress else None

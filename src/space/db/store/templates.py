@@ -42,11 +42,15 @@ class TemplateQueries(Queries):
             return (await c.execute(q)).first() is not None
 
     async def template_worker(self, template_id: str) -> str | None:
-        """The worker a built template lives on (None: on every worker, like `base`)."""
+        """The one worker a template's sandboxes can run on: the one it was built on, unless
+        its build is in the registry (None: any worker, as for `base`)."""
         tp = t.templates.c
         async with self.engine.connect() as c:
-            q = sa.select(tp.worker_id).where(tp.id == template_id)
-            return (await c.execute(q)).scalar()
+            q = sa.select(tp.worker_id, tp.record).where(tp.id == template_id)
+            row = (await c.execute(q)).first()
+        if row is None or (row.record or {}).get("artifact"):
+            return None
+        return str(row.worker_id) if row.worker_id else None
 
     # --- builds: asked for by the API, started by the controller --------------------------
 
@@ -76,7 +80,7 @@ class TemplateQueries(Queries):
             if row["state"] in ("building", "deleting") or queued.first() is not None:
                 state = "queued" if row["state"] not in ("building", "deleting") else row["state"]
                 raise Refused(409, f"template {template_id} is {state}")
-            home = row["worker_id"]
+            home = None if (row["record"] or {}).get("artifact") else row["worker_id"]
             if checkpoint is not None and home not in (None, checkpoint["worker_id"]):
                 raise Refused(
                     409, f"template {template_id} lives on worker {home}, and checkpoint "
@@ -100,13 +104,14 @@ class TemplateQueries(Queries):
 
     async def queued_builds(self) -> list[Row]:
         """Builds asked for and not started yet, with the template's home worker if it has one
-        and, for a build of a checkpoint, that checkpoint's sandbox, worker and state (None if
-        it is gone)."""
+        (and whether its last build is in the registry: `artifact`) and, for a build of a
+        checkpoint, that checkpoint's sandbox, worker and state (None if it is gone)."""
         b, tp, k = t.template_builds.c, t.templates.c, t.checkpoints.c
         q = (
             sa.select(
                 t.template_builds,
                 tp.worker_id,
+                tp.record["artifact"].astext.label("artifact"),
                 k.sandbox_id.label("checkpoint_sandbox"),
                 k.worker_id.label("checkpoint_worker"),
                 k.state.label("checkpoint_state"),

@@ -97,6 +97,13 @@ class WorkerQueries(Queries):
             q = sa.select(t.workers).where(t.workers.c.id == worker_id)
             return (await c.execute(q)).mappings().first()
 
+    async def set_draining(self, worker_id: str, draining: bool) -> Row | None:
+        """Start or stop draining a worker; its row, None if there is no such worker."""
+        q = (t.workers.update().where(t.workers.c.id == worker_id)
+             .values(draining=draining).returning(*t.workers.c))  # fmt: skip
+        async with self.engine.begin() as c:
+            return (await c.execute(q)).mappings().first()
+
     async def set_worker_state(self, worker_id: str, state: str) -> bool:
         """active or lost (decided by the leader's probes); False if it was so already."""
         w = t.workers.c
@@ -107,13 +114,16 @@ class WorkerQueries(Queries):
     async def worker_health(
         self, worker_id: str, overhead_mib: int, used_memory_mib: int, disk: tuple[int, int],
         problem: str | None, age_s: float = 0.0, mem_available_mib: int | None = None,
+        templates: dict[str, str] | None = None, registry: bool = False,
     ) -> None:  # fmt: skip
         """What a probe learnt `age_s` ago: VMM overhead, memory in use as measured, disk
-        (capacity, promised), any problem, and the host's MemAvailable."""
+        (capacity, promised), any problem, the host's MemAvailable and the templates it
+        holds."""
         w = t.workers.c
         values = {"overhead_mib": overhead_mib, "used_memory_mib": used_memory_mib,
                   "capacity_disk_mib": disk[0], "used_disk_mib": disk[1],
                   "problem": problem, "mem_available_mib": mem_available_mib,
+                  "templates": templates or {}, "registry": registry,
                   "heartbeat_at": sa.func.now()}  # fmt: skip
         async with self.engine.begin() as c:
             await c.execute(

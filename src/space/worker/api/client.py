@@ -26,6 +26,7 @@ from space.gateway.policy import Policy
 from space.identity import worker_name
 from space.worker.api.models import (
     EPOCH_HEADER,
+    AdoptVM,
     AuditItems,
     BuildRequest,
     BuildStatus,
@@ -268,6 +269,15 @@ class WorkerClient:
         got = await self._call(
             "POST", w, w.vm(vm_id, verb), VMStatusAnswer, timeout=STATE_S, fenced=True
         )
+        assert got is not None
+        return got
+
+    async def adopt_vm(self, w: Worker, vm_id: str, body: AdoptVM) -> VMStatusAnswer:
+        """Pull a sandbox suspended elsewhere onto `w` (it stays suspended)."""
+        got = await self._call(
+            "POST", w, w.vm(vm_id, "adopt"), VMStatusAnswer, timeout=CREATE_S, body=body,
+            fenced=True,
+        )  # fmt: skip
         assert got is not None
         return got
 

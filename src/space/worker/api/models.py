@@ -75,6 +75,16 @@ class VolumeSpec(Strict):
     read_only: bool = False
 
 
+ARTIFACT = r"^[^\s@]+@sha256:[0-9a-f]{64}$"
+
+
+class TemplateBuild(Strict):
+    """One build of a template as pushed to the registry."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{16}$")
+    artifact: str = Field(max_length=600, pattern=ARTIFACT)
+
+
 class CreateVM(Strict):
     """PUT /vms/{id}: a running VM of this shape (the existing one if it is already there; a
     VM whose VMM died is booted again from its own disk)."""
@@ -88,6 +98,8 @@ class CreateVM(Strict):
     warm: bool = False  # a warm-pool member: exec paths are run once before it answers
     volumes: list[VolumeSpec] = Field(default_factory=list, max_length=VOLUME_SLOTS)
     network: Policy | None = None  # what the gateway lets out (default: nothing)
+    # A template in the registry: the build to run, pulled first if this worker lacks it.
+    template_build: TemplateBuild | None = None
 
 
 class VMCreated(Answer):
@@ -141,6 +153,16 @@ class ClaimVM(Strict):
 class VMStatusAnswer(Answer):
     id: str
     state: VMState
+    # A suspend's: where its snapshot is in the registry (any worker can resume it from there).
+    artifact: str | None = None
+
+
+class AdoptVM(Strict):
+    """POST /vms/{id}/adopt: a sandbox suspended on another worker, pulled from the registry
+    and suspended here, to be resumed here."""
+
+    artifact: str = Field(max_length=600, pattern=ARTIFACT)
+    network: Policy | None = None  # in force once it runs
 
 
 class VMReport(Answer):
@@ -175,6 +197,8 @@ class Health(Answer):
     ksm_saved_mib: int | None = None  # guest memory KSM merged away; None: no KSM here
     mem_available_mib: int | None = None
     disk_free_mib: int | None = None
+    templates: dict[str, str] = Field(default_factory=dict)  # name: digest of its newest build
+    registry: bool = False  # it pushes templates and snapshots to the deployment's registry
 
 
 class Reconcile(Strict):

@@ -45,6 +45,7 @@ from space.worker.api.bodies import Problem, read_body
 from space.worker.api.errors import as_problem
 from space.worker.api.models import (
     EPOCH_HEADER,
+    AdoptVM,
     ClaimVM,
     CreateVM,
     Health,
@@ -56,6 +57,7 @@ from space.worker.api.models import (
     VMStats,
     VMStatusAnswer,
 )
+from space.worker.artifacts import templates as template_artifacts
 from space.worker.fence import Fence, StaleEpoch
 from space.worker.network import NetworkError
 from space.worker.sandboxes import (
@@ -66,6 +68,7 @@ from space.worker.sandboxes import (
 )
 from space.worker.sandboxes.capacity import meminfo_mib
 from space.worker.sandboxes.records import EPOCH_FILE
+from space.worker.templates.errors import ImageError, RegistryError
 from space.worker.vmm.base import VMMError
 
 log = logging.getLogger(__name__)
@@ -168,6 +171,8 @@ class WorkerAPI:
             ksm_saved_mib=merged.saved_bytes >> 20 if (merged := ksm.figures()) else None,
             mem_available_mib=meminfo_mib("MemAvailable"),
             disk_free_mib=m.capacity.free_disk_mib(),
+            templates={name: r.digest for name, r in m.records.items()},
+            registry=m.artifacts is not None,
         )  # fmt: skip
         return JSONResponse(health.model_dump(mode="json"))
 
@@ -176,6 +181,13 @@ class WorkerAPI:
         body = await read_body(CreateVM, request)
         if self.problems() and self.manager.egress is not None:
             raise Problem(503, f"this worker cannot start VMs now: {'; '.join(self.problems())}")
+        if body.template_build is not None:
+            try:
+                await template_artifacts.ensure(self.manager, body.template, body.template_build)
+            except ImageError as e:
+                raise Problem(502, f"template {body.template} could not be pulled: {e}") from None
+            except (RegistryError, OSError) as e:  # the registry may be back soon: retried
+                raise Problem(503, f"template {body.template} not pulled yet: {e}") from None
         sb = await self.manager.create(
             self._vm_id(request), body.template, body.vcpus, body.memory_mib, body.env,
             body.hostname, body.disk_mib, body.warm,
@@ -228,6 +240,19 @@ class WorkerAPI:
     async def suspend(self, request: Request) -> Response:
         self._fenced(request)
         sb = await self.manager.suspend(self._vm_id(request))
+        answer = VMStatusAnswer(id=sb.id, state=sb.state, artifact=sb.artifact)  # type: ignore[arg-type]
+        return JSONResponse(answer.model_dump())
+
+    async def adopt(self, request: Request) -> Response:
+        self._fenced(request)
+        body = await read_body(AdoptVM, request)
+        try:
+            sb = await self.manager.adopt(self._vm_id(request), body.artifact,
+                                          body.network or Policy())  # fmt: skip
+        except ImageError as e:
+            raise Problem(502, f"the sandbox could not be pulled: {e}") from None
+        except (RegistryError, OSError) as e:
+            raise Problem(503, f"the sandbox is not pulled yet: {e}") from None
         return _state(sb.id, sb.state)
 
     async def delete(self, request: Request) -> Response:
@@ -291,6 +316,7 @@ def make_app(
         Route(f"{vm}/pause", api.pause, methods=["POST"]),
         Route(f"{vm}/resume", api.resume, methods=["POST"]),
         Route(f"{vm}/suspend", api.suspend, methods=["POST"]),
+        Route(f"{vm}/adopt", api.adopt, methods=["POST"]),
         *exec_.routes(api),
         *files.routes(api),
         *processes.routes(api),

@@ -27,6 +27,7 @@ from space.worker.templates.registry import Credentials, ImageReference, Registr
 
 log = logging.getLogger(__name__)
 
+PLURAL = {"template": "templates", "sandbox": "sandboxes", "volume": "volumes"}
 IN_FLIGHT = 4  # chunks compressed or sent at once: bounds memory to a few chunks
 Progress = Callable[[str], None]
 
@@ -55,7 +56,7 @@ class Artifacts:
         return RegistryClient(ref, credentials=self._credentials, insecure=self.settings.insecure)
 
     def repository(self, kind: str, name: str) -> str:
-        return f"{self.prefix}/{kind}s/{name.lower()}"
+        return f"{self.prefix}/{PLURAL[kind]}/{name.lower()}"
 
     # --- push ------------------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ from space.gateway.client import GatewayError
 from space.gateway.policy import Policy
 from space.worker.agent_client import AgentClient, AgentError, ExecProcess
 from space.worker.api.models import VM_ID
+from space.worker.artifacts import Artifacts
+from space.worker.artifacts import sandboxes as sandbox_artifacts
 from space.worker.machine import DISK, BootImages, Machine
 from space.worker.network import GUEST_MAC, Egress, NetworkError, SandboxNetwork
 from space.worker.sandboxes import checkpoints, forks, guest, recovery, suspension
@@ -78,6 +80,7 @@ class VMManager:
         worker_id: str,
         options: ManagerOptions | None = None,
         egress: Egress | None = None,
+        artifacts: Artifacts | None = None,
     ) -> None:
         if not VM_ID.match(worker_id):
             raise ValueError(f"worker id {worker_id!r} must match {VM_ID.pattern}")
@@ -89,6 +92,7 @@ class VMManager:
         self.reconcile_grace_s = opts.reconcile_grace_s  # a VM younger survives /reconcile
         self.templates: dict[str, BootImages] = {"base": base_images, **opts.images}
         self.records: dict[str, TemplateRecord] = {}  # built templates: how they run
+        self.artifacts = artifacts  # the deployment's registry; None: all stays on this host
         self.layout = Layout(pool.root / "workers" / worker_id, pool.root)
         self.root = self.layout.root
         self.capacity = Capacity(
@@ -446,12 +450,19 @@ class VMManager:
             return sb
 
     async def suspend(self, vm_id: str) -> SandboxVM:
-        """Memory, devices and disk saved to suspended/<id>; the VMM process ends."""
+        """Memory, devices and disk saved to suspended/<id>; the VMM process ends. With a
+        registry, the snapshot is pushed too (`sb.artifact`), so any worker can resume it."""
         async with self.locks.hold(vm_id):
             sb = self.get(vm_id)
-            if sb.condition == "suspended":
-                return sb
-            return await suspension.suspend(self, sb)
+            if sb.condition != "suspended":
+                await suspension.suspend(self, sb)
+            if sb.artifact is None:
+                sb.artifact = await sandbox_artifacts.push(self, sb)
+            return sb
+
+    async def adopt(self, vm_id: str, artifact: str, policy: Policy) -> SandboxVM:
+        """A sandbox suspended on another worker, pulled from the registry: suspended here."""
+        return await sandbox_artifacts.adopt(self, vm_id, artifact, policy)
 
     async def checkpoint(self, vm_id: str, checkpoint_id: str) -> checkpoints.Taken:
         """Memory, devices and disk of a running VM, saved while it runs on (a short pause)."""

@@ -127,6 +127,8 @@ class SandboxVM:
     # Its VMM is being replaced by a restore of one of its checkpoints (a rollback): it is
     # running as far as anyone asks, and calls that need its VM wait for its lock meanwhile.
     replacing: bool = False
+    # Where its snapshot is in the registry while suspended (pushed by this worker process).
+    artifact: str | None = None
 
     @property
     def state(self) -> str:

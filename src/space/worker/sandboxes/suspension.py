@@ -19,6 +19,7 @@ import contextlib
 import logging
 import shutil
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from space.worker.machine import Machine
 from space.worker.sandboxes.capacity import Claim
 from space.worker.sandboxes.errors import WrongState
 from space.worker.sandboxes.records import SandboxVM, fsync_tree, rename_durable
+from space.worker.templates.errors import RegistryError
 from space.worker.vmm.base import SnapshotInfo, VMMError, VMState
 
 if TYPE_CHECKING:
@@ -87,12 +89,17 @@ async def resume(manager: VMManager, sb: SandboxVM) -> SandboxVM:
     )
     try:
         policy = manager.policy(sb.id)
+        # Its empty slots are this worker's file: the snapshot may come from another worker.
+        drives = tuple(
+            replace(d, path=manager.volumes.empty_slot) if d.placeholder else d
+            for d in snap.config.drives
+        )
         async with manager.network(sb.id, policy or Policy()) as tap_fd:
             try:
                 machine = await Machine.restore(
                     manager.driver, manager.pool, snap, vm_id=sb.id,
                     hostname=sb.spec.hostname, vms_dir=manager.layout.vms, tap_fd=tap_fd,
-                    before_start=retire_snapshot,
+                    drives=drives, before_start=retire_snapshot,
                 )  # fmt: skip
             except BaseException:
                 if consumed.exists() and not snap_dir.exists():
@@ -104,6 +111,11 @@ async def resume(manager: VMManager, sb: SandboxVM) -> SandboxVM:
     finally:
         manager.capacity.release(sb.id)
     sb.machine, sb.condition = machine, "live"
+    if sb.artifact is not None and manager.artifacts is not None:
+        # Running again: the pushed snapshot is of no more use to anyone.
+        with contextlib.suppress(RegistryError, OSError):
+            await manager.artifacts.delete(sb.artifact)
+        sb.artifact = None
     await asyncio.to_thread(shutil.rmtree, consumed, True)
     return sb
 

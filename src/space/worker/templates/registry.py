@@ -118,13 +118,14 @@ class PulledManifest:
 
 
 def is_local_host(hostport: str) -> bool:
-    """localhost, or a loopback, private or link-local address (with or without a port)."""
+    """localhost, a Kubernetes Service of this cluster (`*.svc`, `*.svc.cluster.local`), or a
+    loopback, private or link-local address (with or without a port)."""
     host = hostport
     if host.startswith("["):
         host = host[1:].partition("]")[0]
     elif host.count(":") == 1:
         host = host.partition(":")[0]
-    if host == "localhost" or host.endswith(".localhost"):
+    if host == "localhost" or host.endswith((".localhost", ".svc", ".svc.cluster.local")):
         return True
     try:
         ip = ipaddress.ip_address(host)
@@ -161,7 +162,7 @@ class RegistryClient:
             # Plain HTTP would show credentials and images to the whole path to a remote host.
             raise RegistryError(
                 f"registry {ref.registry}: plain HTTP (insecure) is only allowed for registries "
-                "on this host or a private network address"
+                "on this host, a private network address or a cluster Service (*.svc)"
             )
         scheme = "http" if insecure else "https"
         self.base = f"{scheme}://{ref.api_host}/v2/{ref.repository}"
