@@ -1,7 +1,8 @@
 """The whole platform for a benchmark: embedded PostgreSQL, one worker, controller, API.
 
 Every service is its own `space` process, as in production; the worker can be restarted with
-other settings between phases (e.g. base snapshots off, for cold boots).
+other settings between phases (e.g. base snapshots off, for cold boots). More workers can be
+added as hosts of their own: each with a pool directory of its own, sharing nothing on disk.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from space.worker import netsetup
 from space.worker.local import local_runtime
 
 SPACE = [sys.executable, "-m", "space.cli.main"]
+HOSTS = Path("/var/lib/space/pool/hosts")
 
 
 def free_port() -> int:
@@ -44,6 +46,7 @@ class BenchPlatform:
     env: dict[str, str]
     worker_id: str
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    hosts: list[str] = field(default_factory=list)  # workers added with pools of their own
 
     def start(self, name: str, *argv: str) -> None:
         self.procs[name] = subprocess.Popen([*SPACE, *argv], env=self.env, stderr=self._log(name))
@@ -63,12 +66,22 @@ class BenchPlatform:
 
     def start_worker(self, **env: str) -> None:
         """A worker, which registers at the API and is not told where the database is."""
-        argv = ["worker", "--id", self.worker_id, "--port", str(free_port())]
+        self._worker("worker", self.worker_id, env)
+
+    def _worker(self, name: str, worker_id: str, env: dict[str, str]) -> None:
+        argv = ["worker", "--id", worker_id, "--port", str(free_port())]
         own = {k: v for k, v in self.env.items() if k != "SPACE_DATABASE_URL"}
-        self.procs["worker"] = subprocess.Popen(
+        self.procs[name] = subprocess.Popen(
             [*SPACE, *argv], env={**own, "SPACE_CONTROL_URL": self.url, **env},
-            stderr=self._log("worker"),
+            stderr=self._log(name),
         )  # fmt: skip
+
+    def add_host(self, **env: str) -> str:
+        """Another worker, with a pool of its own; its id (its process is `procs[id]`)."""
+        worker_id = f"{self.worker_id}-h{len(self.hosts) + 1}"
+        self.hosts.append(worker_id)
+        self._worker(worker_id, worker_id, {"SPACE_POOL_DIR": str(HOSTS / worker_id), **env})
+        return worker_id
 
     def client(self, key: str) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"},
@@ -130,9 +143,10 @@ def platform(
         embedded.stop(tmp / "pg")
         shutil.rmtree(tmp, ignore_errors=True)
         # The bench worker's VMs were left running for a next worker process to adopt: stop
-        # them, and drop its disks and base snapshots.
+        # them, and drop its disks and base snapshots; hosts lose their whole pool.
         pool = asyncio.run(local_runtime()).pool
-        leftover = pool.root / "workers" / p.worker_id
-        subprocess.run(["pkill", "-9", "-f", f"{leftover}/"], check=False)
-        asyncio.run(netsetup.remove_networks(p.worker_id, leftover, Path("/var/lib/space")))
-        shutil.rmtree(leftover, ignore_errors=True)
+        for worker_id, root in [(p.worker_id, pool.root), *((h, HOSTS / h) for h in p.hosts)]:
+            leftover = root / "workers" / worker_id
+            subprocess.run(["pkill", "-9", "-f", f"{leftover}/"], check=False)
+            asyncio.run(netsetup.remove_networks(worker_id, leftover, Path("/var/lib/space")))
+            shutil.rmtree(leftover if root == pool.root else root, ignore_errors=True)

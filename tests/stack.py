@@ -4,6 +4,10 @@ Each service runs as its own `space` process so tests can `kill -9` any of them.
 a throwaway embedded server; workers get ids of their own, so their VMs and disks never mix with
 another deployment's on the same host. With `tls`, the control plane and its workers speak
 mutual TLS: each worker joins with a one-time token for its certificate of the stack's worker CA.
+
+With a `registry`, the platform is many hosts on one machine: each worker runs in a network
+namespace of its own (reaching the API and the registry only over its veth, at CONTROL_IP) with
+a pool directory of its own, so nothing on disk or on the network is shared between hosts.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ from .vm.conftest import vmm_pids
 SPACE = [sys.executable, "-m", "space.cli.main"]
 POOL = Path("/var/lib/space/pool/workers")
 HOSTS = Path("/var/lib/space/pool/hosts")  # a pool of its own per worker: one host each
+# The control plane's address as hosts in namespaces reach it (on this machine's loopback), and
+# host i's link: 10.211.i.1 outside, 10.211.i.2 in its namespace `sph-<worker id>`.
+CONTROL_IP = "10.211.0.1"
+HOST_NET = "10.211"
+HOST_NS = "sph-"
 CONTROL_PLANE_ONLY = ("SPACE_WORKER_CA_DIR", "SPACE_DATABASE_URL")
 
 
@@ -57,12 +66,13 @@ class Service:
     env: dict[str, str]
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    prefix: list[str] = field(default_factory=list)  # e.g. nsenter into a host's namespace
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [*SPACE, *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                [*self.prefix, *SPACE, *self.argv], env=self.env, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
     @property
@@ -105,6 +115,7 @@ class Platform:
     env: dict[str, str] = field(default_factory=dict)
     tmp: Path = Path()
     own_pools: bool = False  # each worker a host of its own: nothing on disk is shared
+    hosts: dict[str, int] = field(default_factory=dict)  # worker id: its host's number
 
     def pool_of(self, worker_id: str) -> Path:
         """The pool the worker's templates, snapshots and volumes are in."""
@@ -129,12 +140,14 @@ class Platform:
             token = self.tmp / f"join-{worker_id}"
             token.write_text(asyncio.run(_join_token(self.database_url, worker_id)))
             own.update(SPACE_WORKER_TLS="1", SPACE_WORKER_JOIN_TOKEN_FILE=str(token))
-        svc = Service(
-            f"worker-{worker_id}",
-            ["worker", "--id", worker_id, "--port", str(port)],
-            {**own, **env},
-            self.tmp / f"worker-{worker_id}.log",
-        )
+        argv, prefix = ["worker", "--id", worker_id, "--port", str(port)], []
+        if self.own_pools:
+            address = add_host(self.hosts, worker_id)
+            scheme = "https" if "SPACE_WORKER_TLS" in own else "http"
+            argv += ["--host", address, "--url", f"{scheme}://{address}:{port}"]
+            prefix = ["nsenter", f"--net=/run/netns/{HOST_NS}{worker_id}"]
+        svc = Service(f"worker-{worker_id}", argv, {**own, **env},
+                      self.tmp / f"worker-{worker_id}.log", prefix=prefix)  # fmt: skip
         self.worker_metrics[worker_id] = f"http://{metrics}/metrics"
         svc.start()
         self.workers[worker_id] = svc
@@ -146,7 +159,10 @@ class Platform:
         root = self.root_of(worker_id)
         for pid in vmm_pids(root):
             os.kill(pid, signal.SIGKILL)
-        asyncio.run(netsetup.remove_networks(worker_id, root, Path("/var/lib/space")))
+        if worker_id in self.hosts:
+            remove_host(worker_id, root)
+        else:
+            asyncio.run(netsetup.remove_networks(worker_id, root, Path("/var/lib/space")))
         shutil.rmtree(self.pool_of(worker_id) if self.own_pools else root, ignore_errors=True)
 
     @property
@@ -209,6 +225,52 @@ class Platform:
         return "\n".join(
             f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log")
         )
+
+
+def control_address() -> str:
+    """CONTROL_IP on this machine's loopback, where hosts in namespaces reach the control plane
+    and the registry."""
+    subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/32", "dev", "lo"], check=True)
+    return CONTROL_IP
+
+
+def add_host(hosts: dict[str, int], worker_id: str) -> str:
+    """A network namespace for the worker, linked to this machine alone; its address there."""
+    i = hosts[worker_id] = max(hosts.values(), default=0) + 1
+    ns, outside, inside = f"{HOST_NS}{worker_id}", f"sph{i}o", f"sph{i}i"
+    for argv in (
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", ns],
+        ["ip", "addr", "add", f"{HOST_NET}.{i}.1/30", "dev", outside],
+        ["ip", "link", "set", outside, "up"],
+        ["ip", "-n", ns, "addr", "add", f"{HOST_NET}.{i}.2/30", "dev", inside],
+        ["ip", "-n", ns, "link", "set", inside, "up"],
+        ["ip", "-n", ns, "link", "set", "lo", "up"],
+        ["ip", "-n", ns, "route", "add", f"{CONTROL_IP}/32", "via", f"{HOST_NET}.{i}.1"],
+    ):
+        subprocess.run(argv, check=True, capture_output=True)
+    return f"{HOST_NET}.{i}.2"
+
+
+def remove_host(worker_id: str, root: Path) -> None:
+    """The worker's networks (made inside its namespace), then the namespace and its link."""
+    ns = f"{HOST_NS}{worker_id}"
+    if Path(f"/run/netns/{ns}").exists():
+        code = ("import asyncio, pathlib, sys; from space.worker import netsetup; "
+                "asyncio.run(netsetup.remove_networks(sys.argv[1], pathlib.Path(sys.argv[2]), "
+                "pathlib.Path('/var/lib/space')))")  # fmt: skip
+        subprocess.run(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", code,
+                        worker_id, str(root)], check=False)  # fmt: skip
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def remove_hosts() -> None:
+    """Every host namespace a run left, and the control plane's address."""
+    for ns in Path("/run/netns").glob(f"{HOST_NS}*") if Path("/run/netns").is_dir() else []:
+        worker_id = ns.name.removeprefix(HOST_NS)
+        remove_host(worker_id, HOSTS / worker_id / "workers" / worker_id)
+    subprocess.run(["ip", "addr", "del", f"{CONTROL_IP}/32", "dev", "lo"], check=False,
+                   capture_output=True)  # fmt: skip
 
 
 async def _join_token(url: str, worker_id: str) -> str:
@@ -277,14 +339,16 @@ def launch(tmp: Path, tls: bool = False, registry: str = "") -> Platform:
         "SPACE_LOG_FORMAT": "json",
         "SPACE_LOG_LEVEL": "info",
     }
+    api_host = "127.0.0.1"
     if registry:
         env.update(SPACE_REGISTRY=f"{registry}/space", SPACE_REGISTRY_INSECURE="1")
         ensure_pool()  # the hosts' pools are directories of it: reflinks, as on a real host
+        api_host = env["SPACE_API_HOST"] = control_address()
     if tls:
         env["SPACE_WORKER_CA_DIR"] = str(tmp / "worker-ca")
         make_ca(tmp / "worker-ca" / "ca.pem", tmp / "worker-ca" / "ca.key", "SPACE worker CA")
     p = Platform(
-        api_url=f"http://127.0.0.1:{port}",
+        api_url=f"http://{api_host}:{port}",
         database_url=url,
         key_a=key_a,
         key_b=key_b,
@@ -321,6 +385,8 @@ def shut_down(p: Platform) -> None:
         svc.stop()
     for wid in list(p.workers):
         p.remove_worker(wid)
+    if p.own_pools:
+        remove_hosts()
     pgdata = p.tmp / "pg"
     embedded.stop(pgdata)
     shutil.rmtree(pgdata, ignore_errors=True)

@@ -139,9 +139,9 @@ def setup(form: str, level: str, service: str, **static: str) -> None:
 
 class RequestLog:
     """Outermost ASGI middleware of a service: binds each request's context, answers with its
-    request id in `X-Request-Id`, and logs one line per request (INFO; DEBUG for `quiet`
-    paths, or paths whose last segment is a `quiet` word without a slash), with its path but
-    never its query string (a WebSocket's may hold a key).
+    request id in `X-Request-Id`, and logs one line per request (INFO; DEBUG for paths that
+    `quiet` matches whole), with its path but never its query string (a WebSocket's may hold a
+    key).
 
     `sandbox_path` finds the sandbox a request is about in its path. Only a service called by
     our own services (`trusted`) takes the tenant from a header; the API finds it from the key.
@@ -152,7 +152,7 @@ class RequestLog:
         app: ASGIApp,
         sandbox_path: re.Pattern[str],
         trusted: bool = False,
-        quiet: frozenset[str] = frozenset(),
+        quiet: re.Pattern[str] | None = None,
     ) -> None:
         self.app = app
         self.sandbox_path = sandbox_path
@@ -192,7 +192,7 @@ class RequestLog:
         finally:
             ms = round((time.perf_counter() - started) * 1000, 1)
             method = scope.get("method", "WS")
-            quiet = path in self.quiet or path.rpartition("/")[2] in self.quiet
+            quiet = self.quiet is not None and self.quiet.fullmatch(path) is not None
             level = logging.DEBUG if quiet else logging.INFO
             log.log(level, "%s %s %s in %.1f ms", method, path, status or "-", ms,
                     extra={"method": method, "path": path, "status": status, "ms": ms})  # fmt: skip

@@ -62,7 +62,7 @@ def test_a_directory_comes_back_the_same_and_as_sparse(registry: Registry, tmp_p
     assert lines[0].startswith("pushing template t:") and "done in" in lines[-1]
 
     dest = tmp_path / "dest"
-    plan = asyncio.run(store.pull(pushed.reference, "template", dest))
+    plan = asyncio.run(store.pull(pushed.reference, "template", "t", dest))
     same(src, dest)
     assert plan.meta == {"a": 1}
     # Sparse: the 64 MiB disk holds about what was written into it.
@@ -75,7 +75,7 @@ def test_a_directory_comes_back_the_same_and_as_sparse(registry: Registry, tmp_p
         f.write(b"changed")
     again = asyncio.run(store.push("template", "t", "two", src, {"a": 2}))
     assert (again.blobs, again.uploaded) == (4, 1)
-    asyncio.run(store.pull(again.reference, "template", tmp_path / "dest2"))
+    asyncio.run(store.pull(again.reference, "template", "t", tmp_path / "dest2"))
     same(src, tmp_path / "dest2")
 
 
@@ -87,7 +87,7 @@ def test_a_pull_asked_twice_at_once_is_made_once(registry: Registry, tmp_path: P
     async def twice() -> None:
         pushed = await store.push("template", "twice", "one", src, {})
         dest = tmp_path / "dest"
-        a, b = await asyncio.gather(*(store.pull(pushed.reference, "template", dest)
+        a, b = await asyncio.gather(*(store.pull(pushed.reference, "template", "twice", dest)
                                       for _ in range(2)))  # fmt: skip
         assert a is b
 
@@ -106,10 +106,10 @@ def test_a_registry_that_wants_credentials_gets_them(
         store = artifacts(reg, username=USER, password=PASSWORD)
         pushed = asyncio.run(store.push("volume", "v", "one", src, {}))
         dest = tmp_path / f"dest-{reg.host.replace(':', '-')}"
-        asyncio.run(store.pull(pushed.reference, "volume", dest))
+        asyncio.run(store.pull(pushed.reference, "volume", "v", dest))
         same(src, dest)
         with pytest.raises(AuthenticationFailed):
-            asyncio.run(artifacts(reg).pull(pushed.reference, "volume", tmp_path / "nope"))
+            asyncio.run(artifacts(reg).pull(pushed.reference, "volume", "v", tmp_path / "nope"))
     assert not (tmp_path / "nope").exists()
 
 
@@ -162,17 +162,24 @@ def test_a_bundle_that_lies_writes_nothing(
     reference = asyncio.run(_forged(registry, "forged", files, chunks))
     dest = tmp_path / "pulls" / "dest"
     with pytest.raises(ImageError):
-        asyncio.run(artifacts(registry).pull(reference, "template", dest))
+        asyncio.run(artifacts(registry).pull(reference, "template", "forged", dest))
     assert list((tmp_path / "pulls").iterdir()) == []
     assert not (tmp_path / "escaped").exists() and not Path("/tmp/escaped").exists()
 
 
 def test_only_this_deployments_bundles_are_pulled(registry: Registry, tmp_path: Path) -> None:
     store = artifacts(registry)
+    # A bundle pushed for one thing is never taken for another, even of the same kind.
+    src = tmp_path / "src"
+    make_tree(src)
+    pushed = asyncio.run(store.push("sandbox", "sb-a", "one", src, {}))
+    for kind, name in (("sandbox", "sb-b"), ("template", "sb-a")):
+        with pytest.raises(ImageError, match="is not in"):
+            asyncio.run(store.pull(pushed.reference, kind, name, tmp_path / "dest"))
     digest = "sha256:" + "0" * 64
     for reference in (f"elsewhere.example:5000/space/templates/t@{digest}",
                       f"{registry.host}/other/templates/t@{digest}",
                       f"{registry.host}/space/templates/t:latest"):  # fmt: skip
-        with pytest.raises(RegistryError):
-            asyncio.run(store.pull(reference, "template", tmp_path / "dest"))
+        with pytest.raises((RegistryError, ImageError)):
+            asyncio.run(store.pull(reference, "template", "t", tmp_path / "dest"))
     assert not (tmp_path / "dest").exists()

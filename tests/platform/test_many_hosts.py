@@ -1,13 +1,16 @@
-"""Many hosts on one machine: a platform in mutual TLS whose workers each have a pool of their
-own (nothing on disk is shared between them) and whose templates go through a real registry
-(Debian's docker-registry). A template built on one host runs on another once its builder is
-gone for good; the host that pulled it is preferred next; deleting the template takes it off
-every host that holds it. A sandbox suspended on a host lost for good resumes on another with
-its files and processes; a drain moves what can leave and keeps new work away."""
+"""Many hosts on one machine: a platform in mutual TLS whose workers each run in a network
+namespace of their own, reaching the control plane and the registry only over its link, with a
+pool of their own (nothing on disk is shared between them), and whose templates and snapshots
+go through a real registry (Debian's docker-registry). A template built on one host runs on
+another once its builder is gone for good; the host that pulled it is preferred next; deleting
+the template takes it off every host that holds it. A sandbox suspended on a host lost for good
+resumes on another with its files and processes; a drain moves what can leave and keeps new
+work away."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import subprocess
 import sys
@@ -22,7 +25,7 @@ import pytest
 from space.db.store import Store, connect
 from tests.registry import Registry, serve_registry
 
-from ..stack import Platform, launch, shut_down
+from ..stack import HOST_NS, Platform, control_address, launch, shut_down
 from .helpers import counter_runs, create, run, start_counter, wait_state
 
 pytestmark = pytest.mark.vm
@@ -30,7 +33,7 @@ pytestmark = pytest.mark.vm
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    yield from serve_registry(tmp_path_factory.mktemp("hosts-registry"))
+    yield from serve_registry(tmp_path_factory.mktemp("hosts-registry"), address=control_address())
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +65,31 @@ def wait_for_workers(p: Platform, n: int, timeout: float = 120) -> None:
     while sum(w["state"] == "active" for w in worker_rows(p).values()) < n:
         assert time.monotonic() < deadline, p.logs()
         time.sleep(0.5)
+
+
+def test_each_host_reaches_the_control_plane_only_over_its_own_link(hosts: Platform) -> None:
+    """A worker's network is its namespace's: the control plane's loopback, where the database
+    and every other service of this machine listen, is not its loopback."""
+    root = os.readlink("/proc/self/ns/net")  # this test runs where the control plane does
+    seen = set()
+    for worker_id, svc in hosts.workers.items():
+        mine = os.readlink(f"/proc/{svc.pid}/ns/net")
+        assert mine != root and mine not in seen
+        seen.add(mine)
+        api_port = hosts.api_url.rsplit(":", 1)[1]
+        probe = ("import socket, sys\n"
+                 "for host in ('127.0.0.1', sys.argv[1]):\n"
+                 "    try:\n"
+                 "        socket.create_connection((host, int(sys.argv[2])), 2).close()\n"
+                 "        print(host, 'open')\n"
+                 "    except OSError:\n"
+                 "        print(host, 'closed')\n")  # fmt: skip
+        out = subprocess.run(
+            ["nsenter", f"--net=/run/netns/{HOST_NS}{worker_id}", sys.executable, "-c", probe,
+             hosts.api_url.split("//")[1].rsplit(":", 1)[0], api_port],
+            capture_output=True, text=True, check=True,
+        ).stdout.split("\n")  # fmt: skip
+        assert out[:2] == ["127.0.0.1 closed", f"{control_address()} open"], out
 
 
 def build(admin: httpx.Client, name: str, spec: str) -> dict[str, Any]:
@@ -195,6 +223,16 @@ def test_a_drain_moves_what_can_leave_and_keeps_new_work_away(hosts: Platform) -
             assert c.post(f"/v1/sandboxes/{paused}/pause").json()["state"] == "paused"
         vol = c.post("/v1/volumes", json={"name": "stays", "size_mib": 64}).json()["id"]
         held = create(c, volumes=[{"volume": vol, "path": "/data"}])
+        # One with a checkpoint on the drained host: its checkpoint's files are there.
+        kept = None
+        for _ in range(6):
+            sb = create(c)
+            if sb["worker_id"] == drained:
+                kept = sb["id"]
+                r = c.post(f"/v1/sandboxes/{kept}/checkpoints", json={})
+                assert r.status_code == 201, r.text
+                break
+            c.delete(f"/v1/sandboxes/{sb['id']}")
         size = admin.put(
             "/v1/templates/base/pool",
             json={"size": 2, "vcpus": 1, "memory_mib": 256, "disk_mib": 1024},
@@ -219,6 +257,9 @@ def test_a_drain_moves_what_can_leave_and_keeps_new_work_away(hosts: Platform) -
             assert counter_runs(c, sid, pid), f"{sid} lost its process moving"
         if held["worker_id"] == drained:
             assert f"{held['id']} stays: its volumes are on this host" in out.stdout
+        if kept is not None:
+            assert f"{kept} stays: its checkpoints are on this host" in out.stdout
+            assert sandbox_rows(hosts, [kept])[kept]["worker_id"] == drained
         # Nothing new lands there: not a create, not a pool member.
         for _ in range(2):
             assert create(c)["worker_id"] != drained

@@ -48,7 +48,7 @@ from space.worker.api.client import WorkerClient
 
 SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([A-Za-z0-9_.-]{1,100})(?:/|$)")
 # Probes, scrapes and workers' heartbeats: a line each only at DEBUG.
-QUIET = frozenset({"/healthz", "/metrics", "heartbeat"})
+QUIET = re.compile(r"/healthz|/metrics|/v1/workers/[^/]+/heartbeat")
 OPENAPI_FILE = Path(__file__).resolve().parents[3] / "docs" / "openapi.json"
 
 

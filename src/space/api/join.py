@@ -72,7 +72,9 @@ async def register(
     try:
         health = await svc.workers.health(Worker(worker_id, body.url), timeout=CALL_BACK_S)
     except WorkerError as e:
-        raise APIError(502, f"the worker was not reached at {body.url}: {e}") from None
+        # Its own transport error, never the body of what answered there (whatever that is).
+        why = f"it answered HTTP {e.status}" if e.status else str(e)
+        raise APIError(502, f"the worker was not reached at {body.url}: {why}"[:1000]) from None
     if health.worker_id != worker_id or health.instance != body.instance:
         raise APIError(409, f"another worker process answers at {body.url}")
     await svc.store.register_worker(

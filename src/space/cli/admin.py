@@ -170,7 +170,8 @@ def drain(worker_id: str, undo: bool, wait: bool, timeout: float) -> None:
     async def status(store: Store) -> tuple[list[str], dict[str, str]]:
         worker = await store.worker(worker_id)
         assert worker is not None
-        return to_move(worker, await store.on_worker(worker_id))
+        rows = await store.on_worker(worker_id)
+        return to_move(worker, rows, await store.with_checkpoints([r["id"] for r in rows]))
 
     leaving, staying = _run(status)
     started = set(leaving)

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from space.controller.leader import LostLeadership
 from space.db.sealing import Sealer, SealError
@@ -115,13 +116,7 @@ class WorkerHealth:
             await self.store.set_worker_state(w["id"], "lost")
         reason = f"worker {w['id']} lost: no answer for {silent:.0f} s"
         for row in await self.store.on_worker(w["id"]):
-            if row["state"] == "starting" and row["boot"] is None:
-                # It never ran: nothing of it is on that host to wait for. Placed again.
-                await self.store.transition(
-                    row["id"], ["starting"], "pending", worker_id=None, fence=self.epoch(),
-                    reason=f"{reason}; placed again",
-                )  # fmt: skip
-            elif row["state"] in LIVE:
+            if row["state"] in LIVE:
                 await self.store.transition(
                     row["id"], [row["state"]], "error", reason=reason, prev_state=row["state"],
                     fence=self.epoch(),
@@ -189,11 +184,12 @@ class WorkerHealth:
             log.info("sandbox %s recovered on its worker (%s)", row["id"], vm.state)
 
     async def _transition(
-        self, row: Row, to: str, reason: str | None, from_state: str | None = None, **values: object
+        self, row: Row, to: str, reason: str | None, from_state: str | None = None, **values: Any
     ) -> None:
+        # Only while it is still on the worker probed: a move may have taken it elsewhere since.
         await self.store.transition(
             row["id"], [from_state or row["state"]], to, reason=reason, fence=self.epoch(),
-            **values,
+            where_worker=row["worker_id"], **values,
         )  # fmt: skip
 
 

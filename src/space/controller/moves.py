@@ -7,8 +7,9 @@ it lives there. One whose snapshot is only on its worker waits for that worker, 
 Draining a worker (`space admin drain`): placement sends it nothing new; its pool members are
 let go (the pools refill elsewhere); its running sandboxes are suspended (their `desired_state`
 stays running, so each then resumes on another worker) and its paused ones suspended (they
-resume elsewhere when asked). A sandbox with volumes stays, as does every sandbox of a worker
-that pushes nothing to a registry: their files are that host's.
+resume elsewhere when asked). A sandbox with volumes or checkpoints stays, as does every
+sandbox of a worker that pushes nothing to a registry, and one whose snapshot could not be
+pushed (it resumes where it is, and the drain leaves it alone): their files are that host's.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Moves:
         self.sealer = sealer
         self.epoch = epoch  # the leader's, checked before every write
         self.placement = placement  # the reconciler's: one placement decision at a time
+        self.stuck: set[str] = set()  # sandboxes a drain found could not leave: left alone
 
     async def _say(self, row: Row, reason: str) -> None:
         if row["reason"] != reason:
@@ -52,14 +54,16 @@ class Moves:
         if usable and not w["draining"]:  # type: ignore[index]
             return row
         why = "is being drained" if usable else "is lost"
-        if not row["artifact"]:
+        stays = await self._stays(row, w)
+        if stays is not None:
             if usable:
-                return row  # drained, but its snapshot cannot leave: it resumes there
-            await self._say(row, f"waiting for worker {row['worker_id']}, which {why}: its "
-                            "snapshot is only there")  # fmt: skip
+                self.stuck.add(row["id"])  # a drain must not suspend it again and again
+                return row  # drained, but it cannot leave: it resumes there
+            await self._say(row, f"waiting for worker {row['worker_id']}, which {why}: {stays}")
             return None
         async with self.placement:
-            workers = [x for x in await self.store.workers() if x["id"] != row["worker_id"]]
+            workers = [x for x in await self.store.workers()
+                       if x["id"] != row["worker_id"] and x["registry"]]  # fmt: skip
             load = await self.store.worker_load()
             need = Need(row["vcpus"], row["memory_mib"], row["disk_mib"])
             target = pick_worker(workers, load, need)
@@ -79,18 +83,30 @@ class Moves:
         except WorkerError as e:
             if e.status == 412:
                 raise LostLeadership(e.detail) from None
+            await self._say(row, f"not moved to worker {target} yet: {e.detail}")
             if e.status in (0, 503):
                 raise  # the target or the registry is away: tried again
-            await self._say(row, f"not moved to worker {target}: {e.detail}")
             return None
         log.info("sandbox %s moved from worker %s to %s", row["id"], row["worker_id"], target)
         return await self.store.transition(
             row["id"], ["suspended"], "suspended", worker_id=target, fence=self.epoch(),
             reason=f"moved to worker {target}: worker {row['worker_id']} {why}",
+            where_worker=row["worker_id"],
         )  # fmt: skip
 
+    async def _stays(self, row: Row, worker: Row | None) -> str | None:
+        """Why the sandbox cannot leave its worker, if it cannot."""
+        if row["volumes"]:
+            return "its volumes are on that host"
+        if await self.store.with_checkpoints([row["id"]]):
+            return "its checkpoints are on that host"
+        if not row["artifact"]:
+            return "its snapshot is only on that host"
+        return None
+
     async def drain(self) -> None:
-        """One pass over every worker being drained."""
+        """One pass over every worker being drained; one sandbox that fails does not stop the
+        rest."""
         for w in await self.store.workers():
             if not w["draining"] or w["state"] != "active":
                 continue
@@ -98,26 +114,38 @@ class Moves:
             members = [r["id"] for r in rows if r["pool"] and r["state"] != "deleting"]
             if members:
                 await self.store.drop_pool_members(members, f"worker {w['id']} is being drained")
-            if not w["registry"]:
-                continue
+            leaving, _ = to_move(
+                w, rows, await self.store.with_checkpoints([r["id"] for r in rows])
+            )
             for r in rows:
-                if r["pool"] or r["volumes"] or r["desired_state"] != r["state"]:
+                if r["id"] not in leaving or r["id"] in self.stuck or r["pool"]:
                     continue
-                if r["state"] == "suspended" and r["artifact"]:
-                    await self.relocate(r)  # moved now, resumed when asked
-                    continue
-                if r["state"] not in ("running", "paused"):
-                    continue
-                # A running one resumes elsewhere at once; a paused one when it is asked to.
-                desired = "running" if r["state"] == "running" else "suspended"
-                await self.store.transition(
-                    r["id"], [r["state"]], "suspending", prev_state=r["state"],
-                    desired_state=desired, fence=self.epoch(),
-                    reason=f"moving off worker {w['id']}, which is being drained",
-                )  # fmt: skip
+                try:
+                    await self._drain_one(w, r)
+                except LostLeadership:
+                    raise
+                except Exception as e:  # tried again at the next pass
+                    log.warning("sandbox %s not moved off worker %s: %s", r["id"], w["id"], e)
+
+    async def _drain_one(self, w: Row, r: Row) -> None:
+        if r["desired_state"] != r["state"] or (r["reason"] or "").startswith("suspend failed"):
+            return  # busy, or it refused once: it stays
+        if r["state"] == "suspended":
+            await self.relocate(r)  # moved now, resumed when asked
+        elif r["state"] in ("running", "paused"):
+            # A running one resumes elsewhere at once; a paused one when it is asked to.
+            desired = "running" if r["state"] == "running" else "suspended"
+            await self.store.transition(
+                r["id"], [r["state"]], "suspending", prev_state=r["state"],
+                desired_state=desired, fence=self.epoch(), where_worker=w["id"],
+                where_desired=r["desired_state"],
+                reason=f"moving off worker {w['id']}, which is being drained",
+            )  # fmt: skip
 
 
-def to_move(worker: Row, rows: list[Row]) -> tuple[list[str], dict[str, str]]:
+def to_move(
+    worker: Row, rows: list[Row], checkpointed: set[str]
+) -> tuple[list[str], dict[str, str]]:
     """Of the sandboxes placed on a drained worker: those still to leave it, and those that
     stay, each with why."""
     leaving, staying = [], {}
@@ -128,6 +156,8 @@ def to_move(worker: Row, rows: list[Row]) -> tuple[list[str], dict[str, str]]:
             leaving.append(r["id"])
         elif r["volumes"]:
             staying[r["id"]] = "its volumes are on this host"
+        elif r["id"] in checkpointed:
+            staying[r["id"]] = "its checkpoints are on this host"
         elif not worker["registry"]:
             staying[r["id"]] = "the worker pushes nothing to a registry"
         elif r["state"] == "suspended" and not r["artifact"]:

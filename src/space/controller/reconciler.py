@@ -195,8 +195,10 @@ class Reconciler:
             if homes:  # its template's or volumes' images are on one host: it must go there
                 workers = [w for w in workers if w["id"] in homes]
             need = Need(row["vcpus"], row["memory_mib"], row["disk_mib"])
-            prefer = holding(workers, row["template"],
-                             await self.store.template_record(row["template"]))  # fmt: skip
+            record = await self.store.template_record(row["template"])
+            prefer = holding(workers, row["template"], record)
+            if (record or {}).get("artifact"):  # pulled where it is not: by workers that can
+                workers = [w for w in workers if w["registry"] or w["id"] in prefer]
             worker_id = pick_worker(workers, load, need, prefer=prefer)
             if worker_id is None and row["pool"]:
                 # A pool never waits for room: it only fills what real sandboxes leave free.

@@ -144,9 +144,12 @@ class Builds:
         async def run() -> None:
             try:
                 had = {r.digest for r in list_templates(self.manager.pool.root) if r.name == name}
-                build.record = await job(build.log)
+                record = await job(build.log)
                 if self.manager.artifacts is not None:
-                    build.artifact = await self._push(build.record, build.log, had)
+                    build.artifact = await self._push(record, build.log, had)
+                # Reported only once it is usable everywhere: a failed build has no record, so
+                # the last good one stays in use.
+                build.record = record
                 build.state = "ready"
             except TemplateError as e:
                 build.state, build.error = "failed", str(e)

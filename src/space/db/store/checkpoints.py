@@ -15,6 +15,7 @@ it: its rows when it is deleted (`transition`), its files with its VM on the wor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -99,6 +100,13 @@ class CheckpointQueries(QuotaQueries):
                 .order_by(k.created_at, k.id)
             )
             return list(found.mappings())
+
+    async def with_checkpoints(self, sandbox_ids: Sequence[str]) -> set[str]:
+        """Those of the sandboxes that have checkpoints (their files are on their worker)."""
+        k = t.checkpoints.c
+        q = sa.select(k.sandbox_id).where(k.sandbox_id.in_(list(sandbox_ids))).distinct()
+        async with self.engine.connect() as c:
+            return {r[0] for r in await c.execute(q)}
 
     async def checkpoint(
         self, tenant_id: str, sandbox_id: str, checkpoint_id: str

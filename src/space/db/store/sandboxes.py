@@ -233,15 +233,22 @@ class SandboxQueries(Queries):
         *,
         reason: str | None = None,
         fence: int | None = None,
+        where_worker: str | None = None,
+        where_desired: str | None = None,
         **values: Any,
     ) -> Row | None:
-        """Compare-and-set of `state`; None if the sandbox was not in `from_states`, or if
-        `fence` (a leader's epoch) is no longer the current one."""
+        """Compare-and-set of `state`; None if the sandbox was not in `from_states`, if
+        `fence` (a leader's epoch) is no longer the current one, or if it is no longer on
+        `where_worker` or no longer wanted `where_desired` (when given)."""
         s = t.sandboxes.c
         async with self.engine.begin() as c:
             q = sa.select(s.state).where(s.id == sandbox_id).with_for_update()
             if fence is not None:
                 q = q.where(fenced(fence))
+            if where_worker is not None:
+                q = q.where(s.worker_id == where_worker)
+            if where_desired is not None:
+                q = q.where(s.desired_state == where_desired)
             before = (await c.execute(q)).scalar()
             if before is None or before not in from_states:
                 return None

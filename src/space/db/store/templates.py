@@ -174,6 +174,8 @@ class TemplateQueries(Queries):
         tp, s = t.templates.c, t.sandboxes.c
         values: dict[str, Any] = {"state": "failed" if error else "ready", "error": error,
                                   "updated_at": sa.func.now()}  # fmt: skip
+        if error:
+            record = None  # whatever it made is not in use
         shape = (record or {}).get("vcpus"), (record or {}).get("memory_mib")
         if record is not None:
             values["record"] = record

@@ -68,13 +68,19 @@ from space.worker.sandboxes import (
 )
 from space.worker.sandboxes.capacity import meminfo_mib
 from space.worker.sandboxes.records import EPOCH_FILE
-from space.worker.templates.errors import ImageError, RegistryError
+from space.worker.templates.errors import (
+    AuthenticationFailed,
+    DigestMismatch,
+    ImageError,
+    ImageNotFound,
+    RegistryError,
+)
 from space.worker.vmm.base import VMMError
 
 log = logging.getLogger(__name__)
 
 VM_PATH = re.compile(r"^/vms/([A-Za-z0-9_-]{1,64})(?:/|$)")
-QUIET = frozenset({"/health"})  # the controller's probes, every second
+QUIET = re.compile(r"/health")  # the controller's probes, every second
 
 
 # --- authentication ---------------------------------------------------------------------------
@@ -109,6 +115,10 @@ class BearerAuth:
             return
         await refusal(scope, receive, send)
 
+
+# A pull that another try would fail alike (the sandbox gets the reason); any other registry
+# error is the registry away for now (503: tried again).
+PERMANENT = (ImageError, ImageNotFound, DigestMismatch, AuthenticationFailed)
 
 # --- routes -----------------------------------------------------------------------------------
 
@@ -184,7 +194,7 @@ class WorkerAPI:
         if body.template_build is not None:
             try:
                 await template_artifacts.ensure(self.manager, body.template, body.template_build)
-            except ImageError as e:
+            except PERMANENT as e:
                 raise Problem(502, f"template {body.template} could not be pulled: {e}") from None
             except (RegistryError, OSError) as e:  # the registry may be back soon: retried
                 raise Problem(503, f"template {body.template} not pulled yet: {e}") from None
@@ -249,7 +259,7 @@ class WorkerAPI:
         try:
             sb = await self.manager.adopt(self._vm_id(request), body.artifact,
                                           body.network or Policy())  # fmt: skip
-        except ImageError as e:
+        except PERMANENT as e:
             raise Problem(502, f"the sandbox could not be pulled: {e}") from None
         except (RegistryError, OSError) as e:
             raise Problem(503, f"the sandbox is not pulled yet: {e}") from None

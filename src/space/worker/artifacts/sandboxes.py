@@ -17,12 +17,14 @@ from space.gateway.policy import Policy
 from space.worker.sandboxes.errors import VMNotFound, WrongState
 from space.worker.sandboxes.records import UNREADABLE, SandboxVM
 from space.worker.templates.errors import ImageError, RegistryError
+from space.worker.vmm.base import SnapshotInfo, VMMError
 
 if TYPE_CHECKING:
     from space.worker.sandboxes import VMManager
 
 log = logging.getLogger(__name__)
 KIND = "sandbox"
+PUSH_S = 90.0  # within the controller's deadline for a suspend, which holds the sandbox's lock
 
 
 async def push(manager: VMManager, sb: SandboxVM) -> str | None:
@@ -31,11 +33,11 @@ async def push(manager: VMManager, sb: SandboxVM) -> str | None:
     if manager.artifacts is None or sb.spec.volumes:
         return None
     try:
-        pushed = await manager.artifacts.push(
+        pushed = await asyncio.wait_for(manager.artifacts.push(
             KIND, sb.id, uuid.uuid4().hex, manager.layout.suspended / sb.id, {"id": sb.id},
-            lambda line: log.info("%s", line),
-        )  # fmt: skip
-    except (RegistryError, OSError) as e:
+            log.info,
+        ), PUSH_S)  # fmt: skip
+    except (RegistryError, OSError, TimeoutError) as e:
         log.warning("suspended sandbox %s not pushed (it can resume only here): %s", sb.id, e)
         return None
     return pushed.reference
@@ -43,27 +45,51 @@ async def push(manager: VMManager, sb: SandboxVM) -> str | None:
 
 async def adopt(manager: VMManager, vm_id: str, artifact: str, policy: Policy) -> SandboxVM:
     """A sandbox suspended on another worker, pulled here, suspended still; the same again if
-    this worker has it already."""
+    this worker has adopted that snapshot already. A copy this worker kept from before the
+    sandbox last left it is stale: it is removed, and the snapshot pulled."""
     if manager.artifacts is None:
         raise WrongState("this worker has no registry to pull a sandbox from", "missing")
+    try:
+        have: SandboxVM | None = manager.get(vm_id)
+    except VMNotFound:
+        have = None
+    if have is not None and have.condition == "suspended" and have.artifact == artifact:
+        return have
+    if have is not None and have.condition != "suspended":
+        raise WrongState(f"VM {vm_id} is here already, {have.state}", have.state)
+    await manager.delete(vm_id)  # a stale copy, if any
     async with manager.locks.hold(vm_id):
+        dest = manager.layout.suspended / vm_id
+        await manager.artifacts.pull(artifact, KIND, vm_id, dest, log.info)
         try:
-            have: SandboxVM | None = manager.get(vm_id)
-        except VMNotFound:
-            have = None
-        if have is not None and have.condition != "suspended":
-            raise WrongState(f"VM {vm_id} is here already, {have.state}", have.state)
-        if have is None:
-            dest = manager.layout.suspended / vm_id
-            if not dest.exists():
-                await manager.artifacts.pull(artifact, KIND, dest, lambda line: log.info(line))
-            try:
-                have = SandboxVM.load(vm_id, dest, None)
-            except UNREADABLE as e:
-                await asyncio.to_thread(shutil.rmtree, dest, True)
-                raise ImageError(f"{artifact} holds no sandbox {vm_id}: {e}") from None
-            have.condition = "suspended"
-            manager.adopt_record(have)
-            log.info("sandbox %s adopted from %s", vm_id, artifact)
+            sb = SandboxVM.load(vm_id, dest, None)
+            why = foreign_snapshot_problem(manager, SnapshotInfo.load(dest), sb)
+        except (*UNREADABLE, VMMError) as e:
+            why = str(e)
+        if why is not None:
+            await asyncio.to_thread(shutil.rmtree, dest, True)
+            raise ImageError(f"{artifact} is no snapshot this worker can resume: {why}")
+        sb.condition, sb.artifact = "suspended", artifact
+        manager.adopt_record(sb)
+        log.info("sandbox %s adopted from %s", vm_id, artifact)
     await manager.set_policy(vm_id, policy)  # in force once it runs
-    return have
+    return sb
+
+
+def foreign_snapshot_problem(
+    manager: VMManager, snap: SnapshotInfo, sb: SandboxVM | None = None
+) -> str | None:
+    """Why a snapshot made on another host must not run here: it is trusted with nothing of
+    this host's but its own files, its empty slots (remapped at the restore) and this worker's
+    guest kernel."""
+    base = manager.templates["base"]
+    config = snap.config
+    if (config.kernel, config.initrd) != (base.kernel, base.initrd):
+        return f"it was made with another guest kernel ({config.kernel})"
+    if config.memory_file is not None:
+        return "its memory is a file outside it"
+    if any(not d.placeholder for d in config.drives):
+        return "it has volumes, which are another host's"
+    if sb is not None and sb.spec.volumes:
+        return "its sandbox.json names volumes, which are another host's"
+    return None

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import re
 import shutil
 import tempfile
 import time
@@ -22,12 +24,20 @@ from typing import Any
 from space.settings import RegistrySettings
 from space.worker.artifacts import bundle
 from space.worker.templates import oci
-from space.worker.templates.errors import RegistryError
-from space.worker.templates.registry import Credentials, ImageReference, RegistryClient
+from space.worker.templates.errors import ImageError, RegistryError
+from space.worker.templates.registry import (
+    REPOSITORY,
+    Credentials,
+    ImageReference,
+    RegistryClient,
+)
 
 log = logging.getLogger(__name__)
 
 PLURAL = {"template": "templates", "sandbox": "sandboxes", "volume": "volumes"}
+_REPOSITORY = re.compile(
+    r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$"
+)
 IN_FLIGHT = 4  # chunks compressed or sent at once: bounds memory to a few chunks
 Progress = Callable[[str], None]
 
@@ -40,12 +50,23 @@ class Pushed:
     uploaded: int  # of them, those the registry did not have
 
 
+class NotOurs(ImageError):
+    """A reference this deployment did not push for what it is asked for."""
+
+
 class Artifacts:
     def __init__(self, settings: RegistrySettings) -> None:
         self.settings = settings
-        ref = ImageReference.parse(f"{settings.url.rstrip('/')}/x")
-        self.registry = ref.registry
-        self.prefix = ref.repository.removesuffix("/x")
+        self.registry, _, prefix = settings.url.strip("/").partition("/")
+        self.prefix = f"{prefix}/" if prefix else ""
+        host = self.registry.rpartition("@")[2]
+        if not ("." in host or ":" in host or host == "localhost") or (
+            prefix and not REPOSITORY.match(prefix)
+        ):  # fmt: skip
+            raise ValueError(
+                f"SPACE_REGISTRY={settings.url!r} must be a registry's host[:port] (with a dot, "
+                "a port or localhost), then an optional path of lower-case names"
+            )
         self._credentials = (
             Credentials(settings.username, settings.password) if settings.username else None
         )
@@ -56,7 +77,13 @@ class Artifacts:
         return RegistryClient(ref, credentials=self._credentials, insecure=self.settings.insecure)
 
     def repository(self, kind: str, name: str) -> str:
-        return f"{self.prefix}/{PLURAL[kind]}/{name.lower()}"
+        """One repository per thing. A name that is no valid repository component (templates
+        allow `a..b`, `a-`) gets a slug, made unique by a hash of the name."""
+        slug = name.lower()
+        if not REPOSITORY.match(slug):
+            tidy = re.sub(r"[^a-z0-9]+", "-", slug).strip("-") or "x"
+            slug = f"{tidy}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+        return f"{self.prefix}{PLURAL[kind]}/{slug}"
 
     # --- push ------------------------------------------------------------------------------
 
@@ -101,30 +128,34 @@ class Artifacts:
     # --- pull ------------------------------------------------------------------------------
 
     async def pull(
-        self, reference: str, kind: str, dest: Path, progress: Progress | None = None
+        self, reference: str, kind: str, name: str, dest: Path, progress: Progress | None = None
     ) -> bundle.Layout:
-        """The bundle at `reference` written to `dest`, which must not exist yet; a pull of
-        the same already under way is joined."""
+        """The bundle at `reference`, which must be in the repository of `kind` `name`, written
+        to `dest`, which must not exist yet; a pull of the same already under way is joined."""
         key = (reference, dest)
         task = self._pulls.get(key)
         if task is None:
-            task = asyncio.ensure_future(self._pull(reference, kind, dest, progress))
+            ref = self._own(reference, self.repository(kind, name))
+            task = asyncio.ensure_future(self._pull(ref, kind, dest, progress))
             self._pulls[key] = task
             task.add_done_callback(lambda _: self._pulls.pop(key, None))
         return await asyncio.shield(task)
 
-    def _own(self, reference: str) -> ImageReference:
+    def _own(self, reference: str, repository: str | None = None) -> ImageReference:
+        """The reference, if it is pinned and in this deployment's registry (in `repository`,
+        if given: a bundle pushed for one thing is never taken for another)."""
         ref = ImageReference.parse(reference)
-        if ref.registry != self.registry or not ref.repository.startswith(f"{self.prefix}/"):
-            raise RegistryError(f"{reference} is not in this deployment's registry")
+        if ref.registry != self.registry or not ref.repository.startswith(self.prefix):
+            raise NotOurs(f"{reference} is not in this deployment's registry")
+        if repository is not None and ref.repository != repository:
+            raise NotOurs(f"{reference} is not in {self.registry}/{repository}")
         if not ref.digest:
-            raise RegistryError(f"{reference} is not pinned by a digest")
+            raise NotOurs(f"{reference} is not pinned by a digest")
         return ref
 
     async def _pull(
-        self, reference: str, kind: str, dest: Path, progress: Progress | None
+        self, ref: ImageReference, kind: str, dest: Path, progress: Progress | None
     ) -> bundle.Layout:
-        ref = self._own(reference)
         assert ref.digest is not None
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".pull-", dir=dest.parent))

@@ -10,11 +10,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from space.worker.api.models import TemplateBuild
+from space.worker.artifacts.sandboxes import foreign_snapshot_problem
 from space.worker.artifacts.store import Artifacts, Pushed
 from space.worker.templates import TemplateRecord
 from space.worker.templates.builder import TEMPLATES_DIR
 from space.worker.templates.errors import ImageError
 from space.worker.templates.record import RECORD_FILE
+from space.worker.vmm.base import SnapshotInfo, VMMError
 
 if TYPE_CHECKING:
     from space.worker.sandboxes import VMManager
@@ -36,15 +38,20 @@ async def ensure(manager: VMManager, name: str, build: TemplateBuild) -> None:
         return
     dest = manager.pool.root / TEMPLATES_DIR / name / build.digest
     if not (dest / RECORD_FILE).is_file():
-        await manager.artifacts.pull(build.artifact, KIND, dest, lambda line: log.info(line))
+        await manager.artifacts.pull(build.artifact, KIND, name, dest, log.info)
     why: str | None = None
     try:
         record = await asyncio.to_thread(TemplateRecord.load, dest)
         if (record.name, record.digest) != (name, build.digest):
             why = f"it holds template {record.name} {record.digest}"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        why = f"its template.json does not load: {e}"
+        elif record.snapshot_path is not None:  # made of a checkpoint, on another host
+            why = foreign_snapshot_problem(manager, SnapshotInfo.load(record.snapshot_path))
+    except (OSError, ValueError, KeyError, TypeError, VMMError) as e:
+        why = f"its template.json or snapshot does not load: {e}"
     if why is not None:
         await asyncio.to_thread(shutil.rmtree, dest, True)
         raise ImageError(f"{build.artifact}: {why}, not {name} {build.digest}")
     manager.refresh_templates()
+    # The control plane's build, even if this worker holds one it thinks newer (its own, not
+    # pushed; or another host's clock ahead).
+    manager.use_template(record)

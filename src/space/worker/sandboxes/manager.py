@@ -164,15 +164,18 @@ class VMManager:
     def refresh_templates(self) -> None:
         """Make the newest build of every template built in the pool usable (and forget
         those whose builds are gone)."""
-        base = self.templates["base"]
         latest = latest_templates(self.pool.root)
         for name in set(self.records) - set(latest):
             del self.templates[name], self.records[name]
         for name, record in latest.items():
-            if name == "base":
-                continue  # the platform's own, from `space image base`
-            self.templates[name] = BootImages(base.kernel, base.initrd, record.rootfs)
-            self.records[name] = record
+            if name != "base":  # the platform's own, from `space image base`
+                self.use_template(record)
+
+    def use_template(self, record: TemplateRecord) -> None:
+        """Sandboxes of `record.name` are made of this build from now on."""
+        base = self.templates["base"]
+        self.templates[record.name] = BootImages(base.kernel, base.initrd, record.rootfs)
+        self.records[record.name] = record
 
     async def remove_template(self, name: str) -> bool:
         """Delete a built template, its base snapshots and every build of it."""

@@ -254,7 +254,8 @@ async def build_template(
 
 
 def _clean_up_after_dead_builds(env: BuildEnv) -> None:
-    """Remove what builds that died (killed, host crash) left: VMs, temporary directories."""
+    """Remove what builds and pulls that died (killed, host crash) left: VMs, temporary
+    directories."""
     env.build_vms.mkdir(parents=True, exist_ok=True)
     for run_dir in env.build_vms.iterdir():
         owner = run_dir.name.split("-")[1] if run_dir.name.count("-") >= 2 else ""
@@ -266,7 +267,7 @@ def _clean_up_after_dead_builds(env: BuildEnv) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
     now = time.time()
     for parent in (env.cache, *env.templates.glob("*")):
-        for tmp in parent.glob(".tmp-*"):
+        for tmp in [*parent.glob(".tmp-*"), *parent.glob(".pull-*")]:
             with contextlib.suppress(OSError):
                 if now - tmp.stat().st_mtime > STALE_TMP_S:
                     shutil.rmtree(tmp, ignore_errors=True)

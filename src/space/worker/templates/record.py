@@ -110,6 +110,10 @@ class TemplateRecord:
     @classmethod
     def load(cls, path: Path) -> TemplateRecord:
         data = json.loads((path / RECORD_FILE).read_text())
+        snapshot = data.get("snapshot")
+        if snapshot is not None and (not isinstance(snapshot, str) or "/" in snapshot
+                                     or snapshot in ("", ".", "..")):  # fmt: skip
+            raise ValueError(f"{path}: its snapshot {snapshot!r} is not a directory inside it")
         return cls(
             name=str(data["name"]),
             digest=str(data["digest"]),

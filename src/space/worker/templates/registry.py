@@ -33,8 +33,9 @@ from space.worker.templates.errors import (
 )
 
 DOCKER_HUB = "docker.io"
+MAX_MANIFEST = 4 << 20  # the spec's limit for a manifest a registry must accept
 DOCKER_HUB_API = "registry-1.docker.io"
-_REPO = re.compile(
+REPOSITORY = re.compile(
     r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$"
 )
 _TAG = re.compile(r"^\w[\w.-]{0,127}$")
@@ -73,7 +74,7 @@ class ImageReference:
             registry, repository = DOCKER_HUB, name
             if "/" not in repository:
                 repository = f"library/{repository}"
-        if not _REPO.match(repository):
+        if not REPOSITORY.match(repository):
             raise RegistryError(
                 f"image reference {text!r}: bad repository name {repository!r} "
                 "(lower-case letters, digits and . _ - / only)"
@@ -284,10 +285,23 @@ class RegistryClient:
     # --- manifests ---------------------------------------------------------------------------
 
     async def _document(self, reference: str) -> tuple[bytes, oci.Manifest | oci.Index, str]:
-        resp = await self._get(f"{self.base}/manifests/{reference}", {"Accept": oci.ACCEPT})
-        if resp.status_code != 200:
-            raise self._error(resp, f"manifest {self.ref.repository}:{reference}")
-        data = resp.content
+        resp = await self._get(
+            f"{self.base}/manifests/{reference}", {"Accept": oci.ACCEPT}, stream=True
+        )
+        try:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise self._error(resp, f"manifest {self.ref.repository}:{reference}")
+            got = bytearray()
+            async for chunk in resp.aiter_bytes():
+                got += chunk
+                if len(got) > MAX_MANIFEST:
+                    raise RegistryError(f"manifest {reference} of {self.ref} is over 4 MiB")
+        except httpx.HTTPError as e:
+            raise RegistryError(f"download of manifest {reference} broke off: {e}") from None
+        finally:
+            await resp.aclose()
+        data = bytes(got)
         digest = oci.sha256_digest(data)
         if reference.startswith("sha256:") and digest != reference:
             raise DigestMismatch(f"manifest {reference} of {self.ref} hashes to {digest}")
@@ -393,7 +407,11 @@ class RegistryClient:
         resp = await self._request("POST", f"{self.base}/blobs/uploads/")
         if resp.status_code != 202 or "location" not in resp.headers:
             raise self._error(resp, "an upload session")
-        location = str(resp.url.join(resp.headers["location"]))
+        location_url = resp.url.join(resp.headers["location"])
+        if (location_url.scheme, location_url.netloc) != (resp.url.scheme, resp.url.netloc):
+            # Its credentials go to the registry alone, never where an answer points.
+            raise RegistryError(f"registry {self.ref.registry} sent the upload elsewhere")
+        location = str(location_url)
         sep = "&" if "?" in location else "?"
         resp = await self._request(
             "PUT", f"{location}{sep}digest={digest}",

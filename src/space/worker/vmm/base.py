@@ -179,6 +179,10 @@ class SnapshotInfo:
             manifest = json.loads(manifest_path.read_text())
         except FileNotFoundError:
             raise VMMError(f"{path} is not a snapshot: {SNAPSHOT_MANIFEST} is missing") from None
+        for name in manifest["files"].values():
+            # Names inside its own directory only: a snapshot may come from another host.
+            if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+                raise VMMError(f"{path}: {SNAPSHOT_MANIFEST} names a file outside it: {name!r}")
         return cls(
             path=path,
             driver=manifest["driver"],
