@@ -20,9 +20,8 @@ from collections.abc import Callable
 
 from space.controller.leader import LostLeadership
 from space.controller.placement import Need, pick_worker, why_not
-from space.db.sealing import Sealer, SealError
-from space.db.store import Refused, Row, Store
-from space.netpolicy import policy_for
+from space.db.sealing import Sealer
+from space.db.store import Row, Store
 from space.worker.api.client import Worker, WorkerClient, WorkerError
 from space.worker.api.models import AdoptVM
 
@@ -73,12 +72,9 @@ class Moves:
             return None
         to = next(x for x in workers if x["id"] == target)
         try:
-            policy = await policy_for(self.store, self.sealer, row)
-        except (Refused, SealError) as e:
-            await self._say(row, f"not moved: {e}")
-            return None
-        try:
-            body = AdoptVM(artifact=row["artifact"], network=policy)
+            # No policy goes with it: the resume sends it (a worker holds no secrets of a
+            # sandbox that is not running there).
+            body = AdoptVM(artifact=row["artifact"])
             await self.workers.adopt_vm(Worker(to["id"], to["url"]), row["id"], body)
         except WorkerError as e:
             if e.status == 412:

@@ -266,9 +266,9 @@ class Reconciler:
             self.pools.refilled(done)
         return done is not None
 
-    async def _push_network(self, row: Row) -> None:
+    async def _push_network(self, row: Row, worker: Worker | None = None) -> None:
         """Put the sandbox's current egress policy in force on its worker."""
-        worker = await self._worker(row)
+        worker = worker or await self._worker(row)
         if worker is None:
             return
         try:
@@ -289,6 +289,9 @@ class Reconciler:
         worker = await self._worker(row)
         if worker is None:
             return False
+        if step[1] == "resume" and row["prev_state"] == "suspended":
+            # A suspended VM's worker holds no policy (nor its secrets): it gets it now.
+            await self._push_network(row, worker)
         try:
             done = await self.workers.change_vm(worker, row["id"], step[1])
         except WorkerError as e:

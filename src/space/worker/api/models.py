@@ -159,10 +159,9 @@ class VMStatusAnswer(Answer):
 
 class AdoptVM(Strict):
     """POST /vms/{id}/adopt: a sandbox suspended on another worker, pulled from the registry
-    and suspended here, to be resumed here."""
+    and suspended here, to be resumed here (its policy comes with the resume)."""
 
     artifact: str = Field(max_length=600, pattern=ARTIFACT)
-    network: Policy | None = None  # in force once it runs
 
 
 class VMReport(Answer):

@@ -257,8 +257,7 @@ class WorkerAPI:
         self._fenced(request)
         body = await read_body(AdoptVM, request)
         try:
-            sb = await self.manager.adopt(self._vm_id(request), body.artifact,
-                                          body.network or Policy())  # fmt: skip
+            sb = await self.manager.adopt(self._vm_id(request), body.artifact)
         except PERMANENT as e:
             raise Problem(502, f"the sandbox could not be pulled: {e}") from None
         except (RegistryError, OSError) as e:

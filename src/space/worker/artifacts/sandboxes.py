@@ -13,7 +13,6 @@ import shutil
 import uuid
 from typing import TYPE_CHECKING
 
-from space.gateway.policy import Policy
 from space.worker.sandboxes.errors import VMNotFound, WrongState
 from space.worker.sandboxes.records import UNREADABLE, SandboxVM
 from space.worker.templates.errors import ImageError, RegistryError
@@ -43,7 +42,7 @@ async def push(manager: VMManager, sb: SandboxVM) -> str | None:
     return pushed.reference
 
 
-async def adopt(manager: VMManager, vm_id: str, artifact: str, policy: Policy) -> SandboxVM:
+async def adopt(manager: VMManager, vm_id: str, artifact: str) -> SandboxVM:
     """A sandbox suspended on another worker, pulled here, suspended still; the same again if
     this worker has adopted that snapshot already. A copy this worker kept from before the
     sandbox last left it is stale: it is removed, and the snapshot pulled."""
@@ -72,7 +71,6 @@ async def adopt(manager: VMManager, vm_id: str, artifact: str, policy: Policy) -
         sb.condition, sb.artifact = "suspended", artifact
         manager.adopt_record(sb)
         log.info("sandbox %s adopted from %s", vm_id, artifact)
-    await manager.set_policy(vm_id, policy)  # in force once it runs
     return sb
 
 

@@ -463,9 +463,9 @@ class VMManager:
                 sb.artifact = await sandbox_artifacts.push(self, sb)
             return sb
 
-    async def adopt(self, vm_id: str, artifact: str, policy: Policy) -> SandboxVM:
+    async def adopt(self, vm_id: str, artifact: str) -> SandboxVM:
         """A sandbox suspended on another worker, pulled from the registry: suspended here."""
-        return await sandbox_artifacts.adopt(self, vm_id, artifact, policy)
+        return await sandbox_artifacts.adopt(self, vm_id, artifact)
 
     async def checkpoint(self, vm_id: str, checkpoint_id: str) -> checkpoints.Taken:
         """Memory, devices and disk of a running VM, saved while it runs on (a short pause)."""

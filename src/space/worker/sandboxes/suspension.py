@@ -63,7 +63,9 @@ async def suspend(manager: VMManager, sb: SandboxVM) -> SandboxVM:
     await machine.close()
     crashpoints.reached("suspend.after-stop")
     sb.machine, sb.condition = None, "suspended"
-    await manager.detach(sb.id, keep_policy=True)  # a resume attaches it again
+    # Its egress policy (secret values with it) leaves the worker: the control plane sends it
+    # again before the resume, so a worker holds secrets only of sandboxes that run there.
+    await manager.detach(sb.id)
     return sb
 
 
