@@ -7,7 +7,8 @@ in the same run:
   - resume on another host (its own host stopped with SIGSTOP until it is lost, so the
     snapshot is pulled from the registry)  vs  resume on the same host;
   - the first pull of a template (registry to a new host)  vs  a local copy of the same files
-    on the same file system (`cp --sparse=always`), and the push that put it there;
+    on the same file system (`cp --sparse=always`), both until on disk, and the push that put
+    it there;
   - creates per second with 1, 2, … hosts: every host shares this machine's 2 cores, so the
     figure cannot grow with hosts here; what each host costs at rest (its worker's and
     gateway's memory and CPU) is measured beside it.
@@ -171,8 +172,10 @@ def pulls(registry_host: str) -> dict[str, Any]:
         t = time.perf_counter()
         pushed = asyncio.run(store.push("template", "pulled", "one", src, {}))
         push_s = time.perf_counter() - t
+        os.sync()
         t = time.perf_counter()
         asyncio.run(store.pull(pushed.reference, "template", "pulled", work / "pulled"))
+        os.sync()  # on disk, as the copy below
         pull_s = time.perf_counter() - t
         t = time.perf_counter()
         (work / "copied").mkdir()

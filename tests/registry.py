@@ -22,6 +22,32 @@ class Registry:
     url: str
     pusher: Pusher
     data: Path  # its storage: what was pushed, for a test to look at
+    config: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Serve (again, on the same address and storage) until it answers."""
+        with (self.config.parent / "registry.log").open("ab") as log:
+            self.proc = subprocess.Popen(
+                ["docker-registry", "serve", str(self.config)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"{self.url}/v2/", timeout=1).status_code in (200, 401):
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("docker-registry did not start: "
+                            f"{(self.config.parent / 'registry.log').read_text()}")  # fmt: skip
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
 
 
 def _free_port(address: str) -> int:
@@ -46,29 +72,12 @@ def serve_registry(
         "  delete:\n    enabled: true\n"
         f"http:\n  addr: {address}:{port}\n" + auth
     )
-    log = (tmp / "registry.log").open("wb")
-    proc = subprocess.Popen(
-        ["docker-registry", "serve", str(config)],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
     url = f"http://{address}:{port}"
+    registry = Registry(f"{address}:{port}", url, Pusher(url, basic, pusher_headers),
+                        tmp / "data", config)  # fmt: skip
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"{url}/v2/", timeout=1).status_code in (200, 401):
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"docker-registry did not start: {(tmp / 'registry.log').read_text()}")
-            time.sleep(0.05)
-        pusher = Pusher(url, basic, pusher_headers)
-        yield Registry(host=f"{address}:{port}", url=url, pusher=pusher, data=tmp / "data")
-        pusher.close()
+        registry.start()
+        yield registry
     finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+        registry.pusher.close()
+        registry.stop()

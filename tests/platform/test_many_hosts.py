@@ -281,3 +281,44 @@ def test_a_drain_moves_what_can_leave_and_keeps_new_work_away(hosts: Platform) -
             "/v1/templates/base/pool",
             json={"size": 0, "vcpus": 1, "memory_mib": 256, "disk_mib": 1024},
         )
+
+
+def test_a_move_waits_out_a_registry_that_is_down_and_loses_nothing(
+    hosts: Platform, registry: Registry
+) -> None:
+    """The registry stops (the fault) after a sandbox was pushed and its host is lost for good:
+    the resume waits, `suspended` and saying why, never `error` or `running`; once the registry
+    is back the sandbox moves and runs on, files and processes intact, within the bound."""
+    while len(hosts.workers) < 2:
+        fresh_host(hosts)
+    with hosts.client() as c:
+        sb = create(c)
+        sid, home = sb["id"], sb["worker_id"]
+        run(c, sid, "echo kept > /root/file")
+        pid = start_counter(c, sid)
+        assert c.post(f"/v1/sandboxes/{sid}/suspend").json()["state"] == "suspended"
+        registry.stop()
+        try:
+            hosts.remove_worker(home)
+            deadline = time.monotonic() + 30
+            while worker_rows(hosts)[home]["state"] != "lost":
+                assert time.monotonic() < deadline
+                time.sleep(0.3)
+            assert (
+                c.post(f"/v1/sandboxes/{sid}/resume", params={"wait": "false"}).status_code == 200
+            )
+            seen: set[str] = set()
+            until = time.monotonic() + 12
+            while time.monotonic() < until:
+                now = c.get(f"/v1/sandboxes/{sid}").json()
+                seen.add(now["state"])
+                time.sleep(0.3)
+            assert seen == {"suspended"}, seen
+            assert "not moved to worker" in (now["reason"] or ""), now
+        finally:
+            registry.start()
+        moved = wait_state(c, sid, "running", timeout=60)
+        assert moved["worker_id"] not in (home, None)
+        assert run(c, sid, "cat /root/file")[0] == b"kept\n"
+        assert counter_runs(c, sid, pid)
+        c.delete(f"/v1/sandboxes/{sid}")
