@@ -322,3 +322,47 @@ def test_a_move_waits_out_a_registry_that_is_down_and_loses_nothing(
         assert run(c, sid, "cat /root/file")[0] == b"kept\n"
         assert counter_runs(c, sid, pid)
         c.delete(f"/v1/sandboxes/{sid}")
+
+
+def volume_row(p: Platform, volume_id: str) -> dict[str, Any]:
+    async def read() -> dict[str, Any]:
+        store = Store(connect(p.database_url, pool_size=1))
+        try:
+            return dict(await store.volume(volume_id))
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def test_a_detached_volume_follows_its_next_sandbox_to_another_host(
+    hosts: Platform, registry: Registry
+) -> None:
+    while len(hosts.workers) < 2:
+        fresh_host(hosts)
+    with hosts.client() as c:
+        vol = c.post("/v1/volumes", json={"name": "moves", "size_mib": 64}).json()["id"]
+        first = create(c, volumes=[{"volume": vol, "path": "/data"}])
+        home = first["worker_id"]
+        assert run(c, first["id"], "echo written on the first host > /data/note; sync")[2] == 0
+        assert c.delete(f"/v1/sandboxes/{first['id']}").json()["state"] == "deleted"
+        deadline = time.monotonic() + 30  # detached: pushed within the bound
+        while not (artifact := volume_row(hosts, vol)["artifact"]):
+            assert time.monotonic() < deadline, hosts.controller.log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert artifact.startswith(f"{registry.host}/space/volumes/{vol}@sha256:"), artifact
+
+        hosts.remove_worker(home)  # the host and the volume's image on it, gone for good
+        deadline = time.monotonic() + 30
+        while worker_rows(hosts)[home]["state"] != "lost":
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        second = create(c, volumes=[{"volume": vol, "path": "/data"}])
+        assert second["state"] == "running" and second["worker_id"] != home, second
+        assert run(c, second["id"], "cat /data/note")[0] == b"written on the first host\n"
+        assert volume_row(hosts, vol)["worker_id"] == second["worker_id"]
+        assert volume_row(hosts, vol)["artifact"] is None  # attached: its push is out of date
+        # Still one writer: a second sandbox writing to it is refused, wherever it would run.
+        r = c.post("/v1/sandboxes", json={"volumes": [{"volume": vol, "path": "/data"}]})
+        assert r.status_code == 409, r.text
+        c.delete(f"/v1/sandboxes/{second['id']}")

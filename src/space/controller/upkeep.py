@@ -84,6 +84,21 @@ async def _remove_on_worker(
     return True
 
 
+async def push_volumes(store: Store, workers: WorkerClient) -> None:
+    """Volumes no sandbox has go to the registry from their worker, so the next sandbox that
+    attaches one may run on any worker (a drained or lost host keeps none of them)."""
+    for vol in await store.volumes_to_push():
+        try:
+            pushed = await workers.push_volume(Worker(vol["worker_id"], vol["url"]), vol["id"])
+        except WorkerError as e:
+            if e.status == 412:
+                raise LostLeadership(e.detail) from None
+            log.info("volume %s not pushed yet: %s", vol["id"], e)
+            continue
+        if await store.volume_pushed(vol, pushed.artifact):
+            log.info("volume %s pushed: %s", vol["id"], pushed.artifact)
+
+
 async def delete_volumes(store: Store, workers: WorkerClient) -> None:
     """Volumes asked to be deleted lose their image on their worker, then their row."""
     for vol in await store.volumes_to_delete():

@@ -170,6 +170,10 @@ volumes = sa.Table(
     sa.Column("state", sa.Text, nullable=False),  # available | deleting | deleted
     # The worker whose host holds its image, from its first attachment on.
     sa.Column("worker_id", sa.Text, sa.ForeignKey("workers.id")),
+    # Detached, its image as it is now in the registry: its next sandbox may run on any worker.
+    sa.Column("artifact", sa.Text),
+    # One more each time a sandbox starts with it: a push begun before is out of date.
+    sa.Column("generation", sa.Integer, nullable=False, server_default="0"),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Index("volumes_tenant", "tenant_id", "created_at"),
 )

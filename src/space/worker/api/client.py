@@ -49,6 +49,7 @@ from space.worker.api.models import (
     VMCreated,
     VMStats,
     VMStatusAnswer,
+    VolumePushed,
     WriteResult,
 )
 
@@ -328,6 +329,14 @@ class WorkerClient:
     async def reconcile(self, w: Worker, keep: list[str]) -> Reconciled:
         got = await self._call(
             "POST", w, w.path("reconcile"), Reconciled, timeout=STATE_S, body=Reconcile(keep=keep),
+            fenced=True,
+        )  # fmt: skip
+        assert got is not None
+        return got
+
+    async def push_volume(self, w: Worker, volume_id: str) -> VolumePushed:
+        got = await self._call(
+            "POST", w, w.path("volumes", volume_id, "push"), VolumePushed, timeout=STATE_S,
             fenced=True,
         )  # fmt: skip
         assert got is not None

@@ -68,14 +68,23 @@ Env = dict[EnvName, EnvValue]
 # --- lifecycle --------------------------------------------------------------------------------
 
 
+ARTIFACT = r"^[^\s@]+@sha256:[0-9a-f]{64}$"
+
+
 class VolumeSpec(Strict):
     id: str = Field(pattern=VOLUME_ID.pattern)
     size_mib: int = Field(ge=1, le=1 << 22)
     path: str = Field(pattern=r"^/[^\x00]*$", max_length=MAX_PATH)
     read_only: bool = False
+    # Its image in the registry: pulled first unless this worker's copy is that one.
+    artifact: str | None = Field(None, max_length=600, pattern=ARTIFACT)
 
 
-ARTIFACT = r"^[^\s@]+@sha256:[0-9a-f]{64}$"
+class VolumePushed(Answer):
+    """POST /volumes/{id}/push: the detached volume's image, now in the registry."""
+
+    id: str
+    artifact: str
 
 
 class TemplateBuild(Strict):

@@ -56,8 +56,10 @@ from space.worker.api.models import (
     VMReport,
     VMStats,
     VMStatusAnswer,
+    VolumePushed,
 )
 from space.worker.artifacts import templates as template_artifacts
+from space.worker.artifacts import volumes as volume_artifacts
 from space.worker.fence import Fence, StaleEpoch
 from space.worker.network import NetworkError
 from space.worker.sandboxes import (
@@ -191,17 +193,20 @@ class WorkerAPI:
         body = await read_body(CreateVM, request)
         if self.problems() and self.manager.egress is not None:
             raise Problem(503, f"this worker cannot start VMs now: {'; '.join(self.problems())}")
-        if body.template_build is not None:
-            try:
+        try:
+            if body.template_build is not None:
                 await template_artifacts.ensure(self.manager, body.template, body.template_build)
-            except PERMANENT as e:
-                raise Problem(502, f"template {body.template} could not be pulled: {e}") from None
-            except (RegistryError, OSError) as e:  # the registry may be back soon: retried
-                raise Problem(503, f"template {body.template} not pulled yet: {e}") from None
+            for volume in body.volumes:
+                await volume_artifacts.ensure(self.manager, volume)
+        except PERMANENT as e:
+            raise Problem(502, f"not pulled: {e}") from None
+        except (RegistryError, OSError) as e:  # the registry may be back soon: retried
+            raise Problem(503, f"not pulled yet: {e}") from None
         sb = await self.manager.create(
             self._vm_id(request), body.template, body.vcpus, body.memory_mib, body.env,
             body.hostname, body.disk_mib, body.warm,
-            [VolumeMount(**v.model_dump()) for v in body.volumes], body.network,
+            [VolumeMount(**v.model_dump(exclude={"artifact"})) for v in body.volumes],
+            body.network,
         )  # fmt: skip
         made = VMCreated(id=sb.id, state=sb.state, boot=sb.boot,  # type: ignore[arg-type]
                          took_ms=round(sb.took_ms, 3))  # fmt: skip
@@ -269,6 +274,15 @@ class WorkerAPI:
         await self.manager.delete(self._vm_id(request))
         return Response(status_code=204)
 
+    async def push_volume(self, request: Request) -> Response:
+        self._fenced(request)
+        volume_id = str(request.path_params["volume_id"])
+        try:
+            artifact = await volume_artifacts.push(self.manager, volume_id)
+        except (RegistryError, OSError) as e:
+            raise Problem(503, f"volume {volume_id} not pushed: {e}") from None
+        return JSONResponse(VolumePushed(id=volume_id, artifact=artifact).model_dump())
+
     async def delete_volume(self, request: Request) -> Response:
         self._fenced(request)
         await self.manager.delete_volume(str(request.path_params["volume_id"]))
@@ -322,6 +336,7 @@ def make_app(
         Route(f"{vm}/audit", api.audit, methods=["GET"]),
         Route(f"{vm}/stats", api.stats, methods=["GET"]),
         Route("/volumes/{volume_id}", api.delete_volume, methods=["DELETE"]),
+        Route("/volumes/{volume_id}/push", api.push_volume, methods=["POST"]),
         Route(f"{vm}/pause", api.pause, methods=["POST"]),
         Route(f"{vm}/resume", api.resume, methods=["POST"]),
         Route(f"{vm}/suspend", api.suspend, methods=["POST"]),

@@ -85,6 +85,7 @@ class Volumes:
         if users:
             raise VolumeInUse(f"volume {volume_id} is attached to {', '.join(users)}")
         image = self.image(volume_id)
+        image.with_suffix(".artifact").unlink(missing_ok=True)  # what push it was a copy of
         if not image.exists():
             return False
         image.unlink()

@@ -1,7 +1,8 @@
 """Many hosts: templates and suspended sandboxes in the registry run and resume on any worker.
 
 Each worker's probes say which templates it holds and whether it pushes to a registry; a
-suspended sandbox keeps where its snapshot was pushed; a worker being drained takes no new work.
+suspended sandbox keeps where its snapshot was pushed, a detached volume where its image was; a
+worker being drained takes no new work.
 
 Revision ID: 0013
 """
@@ -26,9 +27,15 @@ def upgrade() -> None:
             "workers", sa.Column(flag, sa.Boolean(), nullable=False, server_default="false")
         )
     op.add_column("sandboxes", sa.Column("artifact", sa.Text(), nullable=True))
+    op.add_column("volumes", sa.Column("artifact", sa.Text(), nullable=True))
+    op.add_column(
+        "volumes", sa.Column("generation", sa.Integer(), nullable=False, server_default="0")
+    )
 
 
 def downgrade() -> None:
+    op.drop_column("volumes", "generation")
+    op.drop_column("volumes", "artifact")
     op.drop_column("sandboxes", "artifact")
     op.drop_column("workers", "registry")
     op.drop_column("workers", "draining")
