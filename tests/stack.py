@@ -344,6 +344,9 @@ def launch(tmp: Path, tls: bool = False, registry: str = "") -> Platform:
         env.update(SPACE_REGISTRY=f"{registry}/space", SPACE_REGISTRY_INSECURE="1")
         ensure_pool()  # the hosts' pools are directories of it: reflinks, as on a real host
         api_host = env["SPACE_API_HOST"] = control_address()
+        # One deployment CA for every gateway, as on Kubernetes: base snapshots have it inside.
+        env["SPACE_GATEWAY_CA_DIR"] = str(tmp / "gateway-ca")
+        make_ca(tmp / "gateway-ca" / "ca.pem", tmp / "gateway-ca" / "ca.key", "SPACE test CA")
     if tls:
         env["SPACE_WORKER_CA_DIR"] = str(tmp / "worker-ca")
         make_ca(tmp / "worker-ca" / "ca.pem", tmp / "worker-ca" / "ca.key", "SPACE worker CA")

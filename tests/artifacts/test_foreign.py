@@ -18,7 +18,8 @@ KERNEL, INITRD = Path("/var/cache/space/kernel/vmlinux"), Path("/var/cache/space
 
 
 def worker() -> Any:
-    return SimpleNamespace(templates={"base": SimpleNamespace(kernel=KERNEL, initrd=INITRD)})
+    """This worker's guest kernel, as its `base` images name it."""
+    return SimpleNamespace(kernel=KERNEL, initrd=INITRD)
 
 
 def snapshot(tmp: Path, **config: Any) -> SnapshotInfo:

@@ -1,11 +1,12 @@
 """Many hosts on one machine: a platform in mutual TLS whose workers each run in a network
 namespace of their own, reaching the control plane and the registry only over its link, with a
-pool of their own (nothing on disk is shared between them), and whose templates and snapshots
-go through a real registry (Debian's docker-registry). A template built on one host runs on
-another once its builder is gone for good; the host that pulled it is preferred next; deleting
-the template takes it off every host that holds it. A sandbox suspended on a host lost for good
-resumes on another with its files and processes; a drain moves what can leave and keeps new
-work away."""
+pool of their own (nothing on disk is shared between them), and whose templates, snapshots and
+volumes go through a real registry (Debian's docker-registry). A template built on one host
+runs on another once its builder is gone for good; the host that pulled it is preferred next;
+deleting the template takes it off every host that holds it; a base snapshot made on one host
+is pulled by the next. A sandbox suspended on a host lost for good resumes on another with its
+files and processes, even if the registry was down for a while; a detached volume moves off a
+host lost for good with its data; a drain moves what can leave and keeps new work away."""
 
 from __future__ import annotations
 
@@ -335,7 +336,7 @@ def volume_row(p: Platform, volume_id: str) -> dict[str, Any]:
     return asyncio.run(read())
 
 
-def test_a_detached_volume_follows_its_next_sandbox_to_another_host(
+def test_a_detached_volume_moves_off_a_host_lost_for_good_with_its_data(
     hosts: Platform, registry: Registry
 ) -> None:
     while len(hosts.workers) < 2:
@@ -353,16 +354,46 @@ def test_a_detached_volume_follows_its_next_sandbox_to_another_host(
         assert artifact.startswith(f"{registry.host}/space/volumes/{vol}@sha256:"), artifact
 
         hosts.remove_worker(home)  # the host and the volume's image on it, gone for good
-        deadline = time.monotonic() + 30
-        while worker_rows(hosts)[home]["state"] != "lost":
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
+        deadline = time.monotonic() + 60  # lost, then moved: pulled by another host first
+        while volume_row(hosts, vol)["worker_id"] == home:
+            assert time.monotonic() < deadline, hosts.controller.log.read_text()[-3000:]
+            time.sleep(0.5)
+        moved_to = volume_row(hosts, vol)["worker_id"]
         second = create(c, volumes=[{"volume": vol, "path": "/data"}])
-        assert second["state"] == "running" and second["worker_id"] != home, second
+        assert (second["state"], second["worker_id"]) == ("running", moved_to), second
         assert run(c, second["id"], "cat /data/note")[0] == b"written on the first host\n"
-        assert volume_row(hosts, vol)["worker_id"] == second["worker_id"]
         assert volume_row(hosts, vol)["artifact"] is None  # attached: its push is out of date
         # Still one writer: a second sandbox writing to it is refused, wherever it would run.
         r = c.post("/v1/sandboxes", json={"volumes": [{"volume": vol, "path": "/data"}]})
         assert r.status_code == 409, r.text
         c.delete(f"/v1/sandboxes/{second['id']}")
+
+
+def test_a_base_snapshot_made_on_one_host_is_pulled_by_the_next(
+    hosts: Platform, registry: Registry
+) -> None:
+    while len(hosts.workers) < 2:
+        fresh_host(hosts)
+    shape = {"vcpus": 1, "memory_mib": 320}  # no other test's: its base snapshot is made now
+    with hosts.client() as c, hosts.client(hosts.admin_key) as admin:
+        first = create(c, **shape)
+        assert first["boot"] == "cold", first  # it made the base snapshot of its shape
+        made_on = first["worker_id"]
+        c.delete(f"/v1/sandboxes/{first['id']}")
+        tags = registry.data / "docker/registry/v2/repositories/space/snapshots/base-1-320"
+        deadline = time.monotonic() + 60  # pushed in the background
+        while not list(tags.glob("_manifests/tags/*")):
+            assert time.monotonic() < deadline, hosts.workers[made_on].log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert admin.post(f"/v1/workers/{made_on}/drain").status_code == 200
+        try:
+            second = create(c, **shape)
+            assert second["worker_id"] != made_on
+            assert second["boot"] == "restore", second  # pulled, not made again
+            assert run(c, second["id"], "echo restored")[0] == b"restored\n"
+            assert "base snapshot base-1-320 pulled" in (
+                hosts.workers[second["worker_id"]].log.read_text()
+            )
+            c.delete(f"/v1/sandboxes/{second['id']}")
+        finally:
+            admin.delete(f"/v1/workers/{made_on}/drain")

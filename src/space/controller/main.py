@@ -81,6 +81,7 @@ async def _lead(
         partial(upkeep.every, 15.0, "gc", partial(upkeep.collect_garbage, store, workers)),
         partial(upkeep.every, 1.0, "volumes", partial(upkeep.delete_volumes, store, workers)),
         partial(upkeep.every, 5.0, "volume pushes", partial(upkeep.push_volumes, store, workers)),
+        partial(upkeep.every, 2.0, "volume moves", partial(upkeep.move_volumes, store, workers)),
         partial(upkeep.every, 60.0, "stale", partial(upkeep.stale_checkpoints, store, workers)),
         partial(upkeep.every, 0.5, "templates", builds.once),
     ]

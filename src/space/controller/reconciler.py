@@ -184,8 +184,7 @@ class Reconciler:
             workers = await self.store.workers()
             load = await self.store.worker_load()
             volumes = await self.store.sandbox_volumes(row)
-            # A volume whose image is in the registry and that no other sandbox has may leave.
-            homes = {v["worker_id"] for v in volumes if v["worker_id"] and not v["movable"]}
+            homes = {v["worker_id"] for v in volumes if v["worker_id"]}
             if home := await self.store.template_worker(row["template"]):
                 homes.add(home)  # built there, and only there
             if len(homes) > 1:
@@ -200,9 +199,6 @@ class Reconciler:
             prefer = holding(workers, row["template"], record)
             if (record or {}).get("artifact"):  # pulled where it is not: by workers that can
                 workers = [w for w in workers if w["registry"] or w["id"] in prefer]
-            if moving := {v["worker_id"] for v in volumes if v["movable"]}:
-                workers = [w for w in workers if w["registry"] or {w["id"]} == moving]
-                prefer = {*prefer, *moving}  # no pull at all where they are
             worker_id = pick_worker(workers, load, need, prefer=prefer)
             if worker_id is None and row["pool"]:
                 # A pool never waits for room: it only fills what real sandboxes leave free.
@@ -218,7 +214,7 @@ class Reconciler:
                     await self._to(row, ["pending"], "pending", reason=reason)
                 return False
             if volumes:
-                await self.store.bind_volumes(volumes, worker_id)
+                await self.store.bind_volumes([v["id"] for v in volumes], worker_id)
             logs.bind(worker=worker_id)
             log.info("sandbox %s placed on worker %s", row["id"], worker_id)
             return await self._to(row, ["pending"], "starting", worker_id=worker_id) is not None
@@ -259,8 +255,6 @@ class Reconciler:
             return False
         log.info("sandbox %s running on worker %s (%s, %.0f ms there)", row["id"], worker.id,
                  made.boot, made.took_ms)  # fmt: skip
-        if volumes:
-            await self.store.volumes_written([v["id"] for v in volumes])
         values: dict[str, Any] = {"network_applied": row["network_version"], "reason": None}
         if row["boot"] is None:
             values["boot"] = made.boot  # how it first came to run (a reboot keeps it)
@@ -294,10 +288,10 @@ class Reconciler:
         worker = await self._worker(row)
         if worker is None:
             return False
-        if step[1] == "resume" and row["prev_state"] == "suspended":
-            # A suspended VM's worker holds no policy (nor its secrets): it gets it now.
-            await self._push_network(row, worker)
         try:
+            if step[1] == "resume" and row["prev_state"] == "suspended":
+                # A suspended VM's worker holds no policy (nor its secrets): it gets it now.
+                await self._push_network(row, worker)
             done = await self.workers.change_vm(worker, row["id"], step[1])
         except WorkerError as e:
             if e.status in (0, 412, 503):

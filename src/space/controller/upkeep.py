@@ -17,7 +17,7 @@ from space.db.sealing import Sealer
 from space.db.store import Conflict, NotFound, Row, Store
 from space.db.store.templates import build_context
 from space.worker.api.client import Worker, WorkerClient, WorkerError
-from space.worker.api.models import BuildRequest, CheckpointSource
+from space.worker.api.models import AdoptVolume, BuildRequest, CheckpointSource
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +85,47 @@ async def _remove_on_worker(
 
 
 async def push_volumes(store: Store, workers: WorkerClient) -> None:
-    """Volumes no sandbox has go to the registry from their worker, so the next sandbox that
-    attaches one may run on any worker (a drained or lost host keeps none of them)."""
-    for vol in await store.volumes_to_push():
-        try:
-            pushed = await workers.push_volume(Worker(vol["worker_id"], vol["url"]), vol["id"])
-        except WorkerError as e:
-            if e.status == 412:
-                raise LostLeadership(e.detail) from None
-            log.info("volume %s not pushed yet: %s", vol["id"], e)
-            continue
+    """Volumes no sandbox has go to the registry from their worker, all at once, so that one
+    whose host is lost or drained can move (`move_volumes`)."""
+
+    async def push(vol: Row) -> None:
+        pushed = await workers.push_volume(Worker(vol["worker_id"], vol["url"]), vol["id"])
         if await store.volume_pushed(vol, pushed.artifact):
             log.info("volume %s pushed: %s", vol["id"], pushed.artifact)
+
+    await _each_volume(await store.volumes_to_push(), push, "not pushed yet")
+
+
+async def move_volumes(store: Store, workers: WorkerClient) -> None:
+    """A volume no sandbox has whose worker is lost or drained goes to another worker with a
+    registry and room, which pulls its image first; only then does it live there."""
+    candidates = [w for w in await store.workers()
+                  if w["state"] == "active" and w["registry"] and not w["draining"]]  # fmt: skip
+    load = await store.worker_load()
+
+    async def move(vol: Row) -> None:
+        others = [w for w in candidates if w["id"] != vol["worker_id"]]
+        target = pick_worker(others, load, Need(0, 0, vol["size_mib"]))
+        if target is None:
+            return
+        to = next(w for w in others if w["id"] == target)
+        body = AdoptVolume(artifact=vol["artifact"], size_mib=vol["size_mib"])
+        await workers.adopt_volume(Worker(to["id"], to["url"]), vol["id"], body)
+        if await store.volume_moved(vol, target):
+            log.info("volume %s moved from worker %s to %s", vol["id"], vol["worker_id"], target)
+
+    await _each_volume(await store.volumes_to_move(), move, "not moved yet")
+
+
+async def _each_volume(
+    volumes: list[Row], call: Callable[[Row], Awaitable[None]], failed: str
+) -> None:
+    results = await asyncio.gather(*(call(v) for v in volumes), return_exceptions=True)
+    for vol, result in zip(volumes, results, strict=True):
+        if isinstance(result, WorkerError) and result.status == 412:
+            raise LostLeadership(result.detail)
+        if isinstance(result, BaseException):
+            log.info("volume %s %s: %s", vol["id"], failed, result)
 
 
 async def delete_volumes(store: Store, workers: WorkerClient) -> None:

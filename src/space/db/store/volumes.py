@@ -85,43 +85,32 @@ class VolumeQueries(Queries):
             )
 
     async def sandbox_volumes(self, row: Row) -> list[dict[str, Any]]:
-        """A sandbox's volumes as its worker needs them: id, size, where and how mounted; and
-        where each lives (`worker_id`), and whether it may leave there for this sandbox
-        (`movable`: its image is in the registry, and no other sandbox has it)."""
+        """A sandbox's volumes as its worker needs them: id, size, where and how mounted."""
         wanted = {a["volume"]: a for a in row["volumes"]}
         if not wanted:
             return []
         q = sa.select(t.volumes).where(t.volumes.c.id.in_(list(wanted)))
         async with self.engine.connect() as c:
-            found = {r["id"]: r for r in (await c.execute(q)).mappings()}
-            others = {vid: [u for u in await _attachments(c, vid) if u["id"] != row["id"]]
-                      for vid in wanted}  # fmt: skip
+            sizes = {r["id"]: r for r in (await c.execute(q)).mappings()}
         return [
-            {"id": vid, "size_mib": found[vid]["size_mib"], "path": a["path"],
-             "read_only": bool(a.get("read_only", False)), "worker_id": found[vid]["worker_id"],
-             "artifact": found[vid]["artifact"],
-             "movable": bool(found[vid]["artifact"]) and not others[vid]}
+            {"id": vid, "size_mib": sizes[vid]["size_mib"], "path": a["path"],
+             "read_only": bool(a.get("read_only", False)), "worker_id": sizes[vid]["worker_id"]}
             for vid, a in wanted.items()
         ]  # fmt: skip
 
-    async def bind_volumes(self, volumes: Sequence[dict[str, Any]], worker_id: str) -> None:
-        """Volumes live where they are first used: later sandboxes must go there too, unless
-        one may leave (`movable`), which then lives where it goes."""
+    async def bind_volumes(self, volume_ids: Sequence[str], worker_id: str) -> None:
+        """Volumes live where they are first used: later sandboxes must go there too. A
+        sandbox placed with them may write them: their image in the registry, if any, is out
+        of date from now on (and a push under way is dropped when it ends)."""
         v = t.volumes.c
-        ids = [x["id"] for x in volumes]
-        moving = [x["id"] for x in volumes if x["movable"]]
+        ids = list(volume_ids)
         async with self.engine.begin() as c:
             await c.execute(
                 t.volumes.update()
-                .where(v.id.in_(ids), sa.or_(v.worker_id.is_(None), v.id.in_(moving)))
+                .where(v.id.in_(ids), v.worker_id.is_(None))
                 .values(worker_id=worker_id)
             )
-
-    async def volumes_written(self, volume_ids: Sequence[str]) -> None:
-        """Attached and running: their images in the registry are out of date from now on."""
-        v = t.volumes.c
-        async with self.engine.begin() as c:
-            await c.execute(t.volumes.update().where(v.id.in_(list(volume_ids)))
+            await c.execute(t.volumes.update().where(v.id.in_(ids))
                             .values(artifact=None, generation=v.generation + 1))  # fmt: skip
 
     async def volumes_to_push(self) -> list[Row]:
@@ -136,9 +125,34 @@ class VolumeQueries(Queries):
             rows = list((await c.execute(q)).mappings())
             return [r for r in rows if not await _attachments(c, r["id"])]
 
+    async def volumes_to_move(self) -> list[Row]:
+        """Volumes no sandbox has, their image in the registry, whose worker is lost or being
+        drained: they move to another before a sandbox needs them."""
+        v, w = t.volumes.c, t.workers.c
+        q = (
+            sa.select(t.volumes)
+            .join(t.workers, w.id == v.worker_id)
+            .where(
+                v.state == "available",
+                v.artifact.is_not(None),
+                sa.or_(w.state != "active", w.draining),
+            )
+        )
+        async with self.engine.connect() as c:
+            rows = list((await c.execute(q)).mappings())
+            return [r for r in rows if not await _attachments(c, r["id"])]
+
     async def volume_pushed(self, volume: Row, artifact: str) -> bool:
-        """Its image is in the registry: kept only if no sandbox attached it, started with it
-        or took it elsewhere since `volume` was read."""
+        """Its image is in the registry: kept only if no sandbox was placed with it or has it,
+        and it did not move, since `volume` was read."""
+        return await self._if_unchanged(volume, artifact=artifact)
+
+    async def volume_moved(self, volume: Row, worker_id: str) -> bool:
+        """Its image pulled by `worker_id`, where it lives from now on: only if nothing
+        changed since `volume` was read."""
+        return await self._if_unchanged(volume, worker_id=worker_id)
+
+    async def _if_unchanged(self, volume: Row, **values: Any) -> bool:
         v = t.volumes.c
         async with self.engine.begin() as c:
             q = sa.select(v.worker_id, v.generation).where(v.id == volume["id"]).with_for_update()
@@ -147,8 +161,7 @@ class VolumeQueries(Queries):
                     != (volume["worker_id"], volume["generation"])
                     or await _attachments(c, volume["id"])):  # fmt: skip
                 return False
-            volume_id = volume["id"]
-            await c.execute(t.volumes.update().where(v.id == volume_id).values(artifact=artifact))
+            await c.execute(t.volumes.update().where(v.id == volume["id"]).values(**values))
             return True
 
 

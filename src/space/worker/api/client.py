@@ -27,6 +27,7 @@ from space.identity import worker_name
 from space.worker.api.models import (
     EPOCH_HEADER,
     AdoptVM,
+    AdoptVolume,
     AuditItems,
     BuildRequest,
     BuildStatus,
@@ -341,6 +342,12 @@ class WorkerClient:
         )  # fmt: skip
         assert got is not None
         return got
+
+    async def adopt_volume(self, w: Worker, volume_id: str, body: AdoptVolume) -> None:
+        await self._call(
+            "POST", w, w.path("volumes", volume_id, "adopt"), None, timeout=CREATE_S, body=body,
+            fenced=True,
+        )  # fmt: skip
 
     async def delete_volume(self, w: Worker, volume_id: str) -> None:
         await self._call(

@@ -76,8 +76,14 @@ class VolumeSpec(Strict):
     size_mib: int = Field(ge=1, le=1 << 22)
     path: str = Field(pattern=r"^/[^\x00]*$", max_length=MAX_PATH)
     read_only: bool = False
-    # Its image in the registry: pulled first unless this worker's copy is that one.
-    artifact: str | None = Field(None, max_length=600, pattern=ARTIFACT)
+
+
+class AdoptVolume(Strict):
+    """POST /volumes/{id}/adopt: a detached volume's image, pulled from the registry; the
+    volume lives here from then on."""
+
+    artifact: str = Field(max_length=600, pattern=ARTIFACT)
+    size_mib: int = Field(ge=1, le=1 << 22)  # what its image may be at most
 
 
 class VolumePushed(Answer):

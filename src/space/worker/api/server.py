@@ -46,6 +46,7 @@ from space.worker.api.errors import as_problem
 from space.worker.api.models import (
     EPOCH_HEADER,
     AdoptVM,
+    AdoptVolume,
     ClaimVM,
     CreateVM,
     Health,
@@ -196,8 +197,6 @@ class WorkerAPI:
         try:
             if body.template_build is not None:
                 await template_artifacts.ensure(self.manager, body.template, body.template_build)
-            for volume in body.volumes:
-                await volume_artifacts.ensure(self.manager, volume)
         except PERMANENT as e:
             raise Problem(502, f"not pulled: {e}") from None
         except (RegistryError, OSError) as e:  # the registry may be back soon: retried
@@ -205,8 +204,7 @@ class WorkerAPI:
         sb = await self.manager.create(
             self._vm_id(request), body.template, body.vcpus, body.memory_mib, body.env,
             body.hostname, body.disk_mib, body.warm,
-            [VolumeMount(**v.model_dump(exclude={"artifact"})) for v in body.volumes],
-            body.network,
+            [VolumeMount(**v.model_dump()) for v in body.volumes], body.network,
         )  # fmt: skip
         made = VMCreated(id=sb.id, state=sb.state, boot=sb.boot,  # type: ignore[arg-type]
                          took_ms=round(sb.took_ms, 3))  # fmt: skip
@@ -283,6 +281,18 @@ class WorkerAPI:
             raise Problem(503, f"volume {volume_id} not pushed: {e}") from None
         return JSONResponse(VolumePushed(id=volume_id, artifact=artifact).model_dump())
 
+    async def adopt_volume(self, request: Request) -> Response:
+        self._fenced(request)
+        volume_id = str(request.path_params["volume_id"])
+        body = await read_body(AdoptVolume, request)
+        try:
+            await volume_artifacts.adopt(self.manager, volume_id, body.artifact, body.size_mib)
+        except PERMANENT as e:
+            raise Problem(502, f"volume {volume_id} could not be pulled: {e}") from None
+        except (RegistryError, OSError) as e:
+            raise Problem(503, f"volume {volume_id} not pulled yet: {e}") from None
+        return Response(status_code=204)
+
     async def delete_volume(self, request: Request) -> Response:
         self._fenced(request)
         await self.manager.delete_volume(str(request.path_params["volume_id"]))
@@ -337,6 +347,7 @@ def make_app(
         Route(f"{vm}/stats", api.stats, methods=["GET"]),
         Route("/volumes/{volume_id}", api.delete_volume, methods=["DELETE"]),
         Route("/volumes/{volume_id}/push", api.push_volume, methods=["POST"]),
+        Route("/volumes/{volume_id}/adopt", api.adopt_volume, methods=["POST"]),
         Route(f"{vm}/pause", api.pause, methods=["POST"]),
         Route(f"{vm}/resume", api.resume, methods=["POST"]),
         Route(f"{vm}/suspend", api.suspend, methods=["POST"]),

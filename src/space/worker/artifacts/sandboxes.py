@@ -13,6 +13,7 @@ import shutil
 import uuid
 from typing import TYPE_CHECKING
 
+from space.worker.machine import BootImages
 from space.worker.sandboxes.errors import VMNotFound, WrongState
 from space.worker.sandboxes.records import UNREADABLE, SandboxVM
 from space.worker.templates.errors import ImageError, RegistryError
@@ -62,7 +63,7 @@ async def adopt(manager: VMManager, vm_id: str, artifact: str) -> SandboxVM:
         await manager.artifacts.pull(artifact, KIND, vm_id, dest, log.info)
         try:
             sb = SandboxVM.load(vm_id, dest, None)
-            why = foreign_snapshot_problem(manager, SnapshotInfo.load(dest), sb)
+            why = foreign_snapshot_problem(manager.templates["base"], SnapshotInfo.load(dest), sb)
         except (*UNREADABLE, VMMError) as e:
             why = str(e)
         if why is not None:
@@ -75,12 +76,11 @@ async def adopt(manager: VMManager, vm_id: str, artifact: str) -> SandboxVM:
 
 
 def foreign_snapshot_problem(
-    manager: VMManager, snap: SnapshotInfo, sb: SandboxVM | None = None
+    base: BootImages, snap: SnapshotInfo, sb: SandboxVM | None = None
 ) -> str | None:
     """Why a snapshot made on another host must not run here: it is trusted with nothing of
     this host's but its own files, its empty slots (remapped at the restore) and this worker's
-    guest kernel."""
-    base = manager.templates["base"]
+    guest kernel (`base`'s)."""
     config = snap.config
     if (config.kernel, config.initrd) != (base.kernel, base.initrd):
         return f"it was made with another guest kernel ({config.kernel})"

@@ -34,11 +34,13 @@ from space.worker.templates.registry import (
 
 log = logging.getLogger(__name__)
 
-PLURAL = {"template": "templates", "sandbox": "sandboxes", "volume": "volumes"}
+PLURAL = {"template": "templates", "sandbox": "sandboxes", "volume": "volumes",
+          "snapshot": "snapshots"}  # fmt: skip
 _REPOSITORY = re.compile(
     r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$"
 )
 IN_FLIGHT = 4  # chunks compressed or sent at once: bounds memory to a few chunks
+FIND_S = 5.0  # a look-up on the way of a create: a registry away costs it no more
 Progress = Callable[[str], None]
 
 
@@ -72,9 +74,12 @@ class Artifacts:
         )
         self._pulls: dict[tuple[str, Path], asyncio.Task[bundle.Layout]] = {}
 
-    def _client(self, repository: str, digest: str | None = None) -> RegistryClient:
+    def _client(
+        self, repository: str, digest: str | None = None, timeout: float = 60.0
+    ) -> RegistryClient:
         ref = ImageReference(self.registry, repository, digest=digest)
-        return RegistryClient(ref, credentials=self._credentials, insecure=self.settings.insecure)
+        return RegistryClient(ref, credentials=self._credentials, insecure=self.settings.insecure,
+                              timeout=timeout)  # fmt: skip
 
     def repository(self, kind: str, name: str) -> str:
         """One repository per thing. A name that is no valid repository component (templates
@@ -124,6 +129,13 @@ class Artifacts:
         say.done()
         return Pushed(f"{self.registry}/{repository}@{digest}", sum(f.size for f in files),
                       len(layers), sum(sent for _, sent in results))  # fmt: skip
+
+    async def find(self, kind: str, name: str, tag: str) -> str | None:
+        """The reference of the bundle tagged `tag` in `kind` `name`; None if there is none."""
+        repository = self.repository(kind, name)
+        async with self._client(repository, timeout=FIND_S) as client:
+            digest = await client.digest_of(tag)
+        return f"{self.registry}/{repository}@{digest}" if digest else None
 
     # --- pull ------------------------------------------------------------------------------
 

@@ -45,7 +45,8 @@ async def ensure(manager: VMManager, name: str, build: TemplateBuild) -> None:
         if (record.name, record.digest) != (name, build.digest):
             why = f"it holds template {record.name} {record.digest}"
         elif record.snapshot_path is not None:  # made of a checkpoint, on another host
-            why = foreign_snapshot_problem(manager, SnapshotInfo.load(record.snapshot_path))
+            snap = SnapshotInfo.load(record.snapshot_path)
+            why = foreign_snapshot_problem(manager.templates["base"], snap)
     except (OSError, ValueError, KeyError, TypeError, VMMError) as e:
         why = f"its template.json or snapshot does not load: {e}"
     if why is not None:

@@ -1,10 +1,11 @@
-"""Volumes through the registry: a detached volume's image pushed, and pulled by the worker of
-its next sandbox unless that worker's copy is the very one pushed, so a volume follows its
-sandboxes between hosts (one writer still: the control plane moves only a volume no sandbox
-has).
+"""Volumes through the registry: a detached volume's image pushed from its worker, and pulled
+by another worker when the control plane moves the volume there (its own worker lost or being
+drained), so a volume outlives the host it was made on. One writer still: only a volume no
+sandbox has is pushed or moved, and the control plane records either only if nothing attached
+it meanwhile.
 
-Next to each image, `<id>.artifact` names the push it is a copy of. A pulled image replaces a
-stale copy by rename, so a sandbox never sees half of one.
+Next to each image, `<id>.artifact` names the push it is a copy of (removed as soon as a
+sandbox may write it). A pulled image is written durably and renamed into place.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from space.worker.api.models import VolumeSpec
+from space.worker.api.models import VOLUME_ID
 from space.worker.sandboxes.errors import InvalidArgument, VolumeInUse
+from space.worker.sandboxes.records import fsync_tree
 from space.worker.storage.reflink import clone_file
 from space.worker.templates.errors import ImageError
 
@@ -31,21 +33,34 @@ KIND = "volume"
 IMAGE = "volume.img"
 
 
-def _marker(manager: VMManager, volume_id: str) -> Path:
-    return manager.volumes.dir / f"{volume_id}.artifact"
-
-
 def _users(manager: VMManager, volume_id: str) -> list[str]:
     return sorted(sb.id for sb in manager.vms() if any(v.id == volume_id for v in sb.spec.volumes))
 
 
-async def push(manager: VMManager, volume_id: str) -> str:
-    """The volume's image as it is now, in the registry; refused while a sandbox here has it."""
+def _checked(manager: VMManager, volume_id: str) -> None:
+    if not VOLUME_ID.match(volume_id):
+        raise InvalidArgument(f"volume id {volume_id!r} must match {VOLUME_ID.pattern}")
     if manager.artifacts is None:
-        raise InvalidArgument("this worker has no registry to push to")
-    image = manager.volumes.image(volume_id)
+        raise InvalidArgument("this worker has no registry")
     if users := _users(manager, volume_id):
         raise VolumeInUse(f"volume {volume_id} is attached to {', '.join(users)}")
+
+
+async def push(manager: VMManager, volume_id: str) -> str:
+    """The volume's image as it is now, in the registry; refused while a sandbox here has it.
+    A push asked for again while one is under way is that one."""
+    _checked(manager, volume_id)
+    pushes = manager.volumes.pushes
+    if volume_id not in pushes:
+        task = asyncio.ensure_future(_push(manager, volume_id))
+        pushes[volume_id] = task
+        task.add_done_callback(lambda _: pushes.pop(volume_id, None))
+    return await asyncio.shield(pushes[volume_id])
+
+
+async def _push(manager: VMManager, volume_id: str) -> str:
+    assert manager.artifacts is not None
+    image = manager.volumes.image(volume_id)
     if not image.exists():
         raise InvalidArgument(f"this worker has no image of volume {volume_id}")
     # A reflink of it at this instant is what goes: a sandbox attaching meanwhile writes its own.
@@ -57,26 +72,29 @@ async def push(manager: VMManager, volume_id: str) -> str:
         )
     finally:
         await asyncio.to_thread(shutil.rmtree, stage, True)
-    _marker(manager, volume_id).write_text(pushed.reference)
+    if not _users(manager, volume_id):  # attached meanwhile: this copy is no longer that push
+        manager.volumes.marker(volume_id).write_text(pushed.reference)
     return pushed.reference
 
 
-async def ensure(manager: VMManager, spec: VolumeSpec) -> None:
-    """This worker's copy of the volume is the one `spec.artifact` names: pulled if not."""
-    if spec.artifact is None or manager.artifacts is None:
-        return
-    marker = _marker(manager, spec.id)
-    if marker.exists() and marker.read_text() == spec.artifact:
-        return
-    if users := _users(manager, spec.id):
-        raise VolumeInUse(f"volume {spec.id} is attached to {', '.join(users)} here")
-    dest = manager.volumes.dir / f".pull-{spec.id}-{uuid.uuid4().hex[:8]}"
-    try:
-        plan = await manager.artifacts.pull(spec.artifact, KIND, spec.id, dest, log.info)
-        if [f.path for f in plan.files] != [IMAGE] or plan.files[0].size > spec.size_mib << 20:
-            raise ImageError(f"{spec.artifact} is no image of volume {spec.id}")
-        marker.unlink(missing_ok=True)  # no copy is that push until the image is in place
-        os.replace(dest / IMAGE, manager.volumes.image(spec.id))
-        marker.write_text(spec.artifact)
-    finally:
+async def adopt(manager: VMManager, volume_id: str, artifact: str, size_mib: int) -> None:
+    """This worker's copy of the volume is the push `artifact` names: pulled unless it is."""
+    _checked(manager, volume_id)
+    assert manager.artifacts is not None
+    marker = manager.volumes.marker(volume_id)
+    async with manager.locks.hold(f"volume/{volume_id}"):
+        if marker.exists() and marker.read_text() == artifact:
+            return
+        dest = manager.volumes.dir / f".pull-{volume_id}"
         await asyncio.to_thread(shutil.rmtree, dest, True)
+        try:
+            plan = await manager.artifacts.pull(artifact, KIND, volume_id, dest, log.info)
+            if [f.path for f in plan.files] != [IMAGE] or plan.files[0].size > size_mib << 20:
+                raise ImageError(f"{artifact} is no image of volume {volume_id}")
+            await asyncio.to_thread(fsync_tree, dest)
+            _checked(manager, volume_id)  # nothing attached it here meanwhile
+            marker.unlink(missing_ok=True)  # no copy is that push until the image is in place
+            os.replace(dest / IMAGE, manager.volumes.image(volume_id))
+            marker.write_text(artifact)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, dest, True)

@@ -106,7 +106,7 @@ class VMManager:
         self.volumes = Volumes(self.layout.volumes, self.layout.empty_slot)
         self.snapshots = BaseSnapshots(
             driver, pool, self.layout, self.volumes, self.build_network,
-            self.egress.gateway.ca_pem if self.egress is not None else None,
+            self.egress.gateway.ca_pem if self.egress is not None else None, artifacts,
         )  # fmt: skip
         self._policies: dict[str, Policy] = {}  # in force, in memory only (they hold secrets)
         self._stale: set[str] = set()  # VMs whose policy died with the last worker process
@@ -445,7 +445,11 @@ class VMManager:
         async with self.locks.hold(vm_id):
             sb = self.get(vm_id)
             if sb.condition == "suspended":
-                return await suspension.resume(self, sb)
+                try:
+                    return await suspension.resume(self, sb)
+                except BaseException:
+                    self._policies.pop(vm_id, None)  # its secrets leave with the failed resume
+                    raise
             try:
                 await sb.live_machine("resume").resume()
             except VMStateError as e:

@@ -7,12 +7,18 @@ directory of `base/`, writes down what it was made from and renames it into plac
 leaves no half-made snapshot that a restore could pick up. A template made from a checkpoint
 has one shape, the checkpoint's: its base snapshot is that checkpoint saved again with its
 memory as a file to map (`machine.remap`), already set up, its processes as they were.
+
+With a registry, a base snapshot is shared between workers: one that has to make it pushes it
+once made, tagged by everything it depends on (the template's build, the guest kernel, the
+devices, the gateway's CA in it); another that lacks it pulls that before it would boot one,
+and trusts it as any snapshot from another host (`artifacts.sandboxes.foreign_snapshot_problem`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import shutil
@@ -26,6 +32,8 @@ from typing import Any
 
 from space.gateway.policy import Policy
 from space.worker.api.models import VOLUME_SLOTS
+from space.worker.artifacts import Artifacts
+from space.worker.artifacts.sandboxes import foreign_snapshot_problem
 from space.worker.machine import BootImages, Machine, remap
 from space.worker.network import GUEST_MAC
 from space.worker.sandboxes import guest
@@ -33,11 +41,13 @@ from space.worker.sandboxes.records import Layout, fsync_tree, rename_durable, w
 from space.worker.sandboxes.volumes import Volumes
 from space.worker.storage.pool import Pool
 from space.worker.templates import TemplateRecord
+from space.worker.templates.errors import ImageError, RegistryError
 from space.worker.vmm.base import Driver, SnapshotInfo, VMMError
 
 log = logging.getLogger(__name__)
 
 IMAGES_FILE = "images.json"
+KIND = "snapshot"
 NetworkFor = Callable[[str, Policy], AbstractAsyncContextManager[int | None]]
 
 
@@ -71,6 +81,7 @@ class BaseSnapshots:
         volumes: Volumes,
         network: NetworkFor,
         ca_pem: Callable[[], Awaitable[bytes]] | None,
+        artifacts: Artifacts | None = None,
     ) -> None:
         self.driver = driver
         self.pool = pool
@@ -78,7 +89,9 @@ class BaseSnapshots:
         self.volumes = volumes
         self.network = network  # the network a build VM gets (a NIC when sandboxes have one)
         self.ca_pem = ca_pem  # None when VMs have no network
+        self.artifacts = artifacts
         self._locks = KeyedLock()
+        self._pushes: set[asyncio.Task[None]] = set()
 
     def clean(self) -> None:
         for tmp in self.layout.base.glob(".*"):
@@ -106,6 +119,9 @@ class BaseSnapshots:
                 if json.loads((path / IMAGES_FILE).read_text()) == made_from:
                     return SnapshotInfo.load(path), False
                 log.info("base snapshot %s was made from other images; rebuilding it", key)
+            tag = await self._tag(images, record, made_from)
+            if (pulled := await self._pull(key, tag, images, made_from)) is not None:
+                return pulled, False
             started = time.perf_counter()
             build_id = f"base-{key}-{uuid.uuid4().hex[:6]}"
             tmp = self.staging(key)
@@ -116,6 +132,7 @@ class BaseSnapshots:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
+            self._push(key, tag, path)
             return SnapshotInfo.load(path), True
 
     async def put(
@@ -128,6 +145,56 @@ class BaseSnapshots:
         async with self._locks.hold(key):
             await self._install(self.layout.base / key, made, made_from)
         return SnapshotInfo.load(self.layout.base / key)
+
+    async def _tag(
+        self, images: BootImages, record: TemplateRecord | None, made_from: dict[str, Any]
+    ) -> str:
+        """What a shared base snapshot of this shape must have been made from, as a tag: the
+        same on every worker that could use it (not the pool's own paths)."""
+        ca = hashlib.sha256(await self.ca_pem()).hexdigest() if self.ca_pem else None
+        build = record.digest if record is not None else images.rootfs.parent.name
+        shared = {k: v for k, v in made_from.items() if k != "rootfs"}
+        text = json.dumps({"build": build, "ca": ca, **shared}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    async def _pull(
+        self, key: str, tag: str, images: BootImages, made_from: dict[str, Any]
+    ) -> SnapshotInfo | None:
+        """The base snapshot another worker made and pushed, installed here; None if there is
+        none to trust (the caller then makes one)."""
+        if self.artifacts is None:
+            return None
+        dest = self.staging(key)
+        try:
+            reference = await self.artifacts.find(KIND, key, tag)
+            if reference is None:
+                return None
+            await self.artifacts.pull(reference, KIND, key, dest, log.info)
+            if why := foreign_snapshot_problem(images, SnapshotInfo.load(dest)):
+                raise ImageError(why)
+            await self._install(self.layout.base / key, dest, made_from)
+        except (RegistryError, ImageError, OSError, ValueError, VMMError) as e:
+            log.warning("base snapshot %s not taken from the registry (made here): %s", key, e)
+            shutil.rmtree(dest, ignore_errors=True)
+            return None
+        log.info("base snapshot %s pulled from %s", key, reference)
+        return SnapshotInfo.load(self.layout.base / key)
+
+    def _push(self, key: str, tag: str, path: Path) -> None:
+        """Share a base snapshot made here, in the background: the create that made it does
+        not wait; a failure only means the next worker makes its own."""
+        if self.artifacts is None:
+            return
+
+        async def push(artifacts: Artifacts) -> None:
+            try:
+                await artifacts.push(KIND, key, tag, path, {"key": key}, log.info)
+            except (RegistryError, OSError) as e:
+                log.warning("base snapshot %s not pushed: %s", key, e)
+
+        task = asyncio.ensure_future(push(self.artifacts))
+        self._pushes.add(task)
+        task.add_done_callback(self._pushes.discard)
 
     def staging(self, name: str) -> Path:
         """Where a base snapshot is made: hidden in the base directory, removed at start."""

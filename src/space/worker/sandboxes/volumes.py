@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import uuid
 from collections.abc import Iterable, Sequence
@@ -25,13 +26,22 @@ class Volumes:
     def __init__(self, directory: Path, empty_slot: Path) -> None:
         self.dir = directory
         self.empty_slot = empty_slot
+        self.pushes: dict[str, asyncio.Task[str]] = {}  # to the registry, under way
 
     def clean(self) -> None:
+        """What was cut short: an image being made, a push or a pull (directories)."""
         for tmp in self.dir.glob(".*"):
-            tmp.unlink(missing_ok=True)  # a volume image whose making was cut short
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
 
     def image(self, volume_id: str) -> Path:
         return self.dir / f"{volume_id}.img"
+
+    def marker(self, volume_id: str) -> Path:
+        """Names the push in the registry the image is a copy of, while it is one."""
+        return self.dir / f"{volume_id}.artifact"
 
     def check_writers(
         self, vm_id: str, volumes: Sequence[VolumeMount], others: Iterable[SandboxVM]
@@ -61,6 +71,8 @@ class Volumes:
         """The VM's extra drives: its volumes' images (made on first use), then empty slots."""
         out = []
         for v in volumes:
+            if not v.read_only:
+                self.marker(v.id).unlink(missing_ok=True)  # it may be written from now on
             image = self.image(v.id)
             if not image.exists():
                 await asyncio.to_thread(_make_volume, image, v.size_mib)
@@ -85,7 +97,7 @@ class Volumes:
         if users:
             raise VolumeInUse(f"volume {volume_id} is attached to {', '.join(users)}")
         image = self.image(volume_id)
-        image.with_suffix(".artifact").unlink(missing_ok=True)  # what push it was a copy of
+        self.marker(volume_id).unlink(missing_ok=True)
         if not image.exists():
             return False
         image.unlink()

@@ -430,6 +430,14 @@ class RegistryClient:
             raise self._error(resp, f"the manifest {self.ref.repository}:{reference}")
         return oci.sha256_digest(data)
 
+    async def digest_of(self, tag: str) -> str | None:
+        """The digest of the manifest tagged `tag`; None if there is none."""
+        try:
+            _, _, digest = await self._document(tag)
+        except ImageNotFound:
+            return None
+        return digest
+
     async def document(self, digest: str) -> oci.Manifest:
         """The manifest pinned by `digest`."""
         _, doc, _ = await self._document(digest)
