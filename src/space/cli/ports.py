@@ -119,6 +119,9 @@ def forward(
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((bind, port if local_port is None else local_port))
+        # Listening before it says so: a client that connects at once waits in the backlog
+        # instead of being refused while the server starts.
+        listener.listen(128)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {bind}: {e.strerror}") from None
     host, bound = listener.getsockname()[:2]
