@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from space.worker.artifacts.sandboxes import foreign_snapshot_problem
+from space.worker.artifacts.trust import foreign_snapshot_problem
 from space.worker.templates.record import TemplateRecord
 from space.worker.vmm.base import Drive, SnapshotInfo, VMConfig, VMMError
 

@@ -13,7 +13,7 @@ import shutil
 import uuid
 from typing import TYPE_CHECKING
 
-from space.worker.machine import BootImages
+from space.worker.artifacts.trust import foreign_snapshot_problem
 from space.worker.sandboxes.errors import VMNotFound, WrongState
 from space.worker.sandboxes.records import UNREADABLE, SandboxVM
 from space.worker.templates.errors import ImageError, RegistryError
@@ -73,21 +73,3 @@ async def adopt(manager: VMManager, vm_id: str, artifact: str) -> SandboxVM:
         manager.adopt_record(sb)
         log.info("sandbox %s adopted from %s", vm_id, artifact)
     return sb
-
-
-def foreign_snapshot_problem(
-    base: BootImages, snap: SnapshotInfo, sb: SandboxVM | None = None
-) -> str | None:
-    """Why a snapshot made on another host must not run here: it is trusted with nothing of
-    this host's but its own files, its empty slots (remapped at the restore) and this worker's
-    guest kernel (`base`'s)."""
-    config = snap.config
-    if (config.kernel, config.initrd) != (base.kernel, base.initrd):
-        return f"it was made with another guest kernel ({config.kernel})"
-    if config.memory_file is not None:
-        return "its memory is a file outside it"
-    if any(not d.placeholder for d in config.drives):
-        return "it has volumes, which are another host's"
-    if sb is not None and sb.spec.volumes:
-        return "its sandbox.json names volumes, which are another host's"
-    return None

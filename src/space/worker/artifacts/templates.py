@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from space.worker.api.models import TemplateBuild
-from space.worker.artifacts.sandboxes import foreign_snapshot_problem
 from space.worker.artifacts.store import Artifacts, Pushed
+from space.worker.artifacts.trust import foreign_snapshot_problem
 from space.worker.templates import TemplateRecord
 from space.worker.templates.builder import TEMPLATES_DIR
 from space.worker.templates.errors import ImageError

@@ -33,7 +33,7 @@ from typing import Any
 from space.gateway.policy import Policy
 from space.worker.api.models import VOLUME_SLOTS
 from space.worker.artifacts import Artifacts
-from space.worker.artifacts.sandboxes import foreign_snapshot_problem
+from space.worker.artifacts.trust import foreign_snapshot_problem
 from space.worker.machine import BootImages, Machine, remap
 from space.worker.network import GUEST_MAC
 from space.worker.sandboxes import guest
