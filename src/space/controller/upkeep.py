@@ -12,7 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 
 from space.controller.leader import Leadership, LostLeadership
-from space.controller.placement import Need, pick_worker
+from space.controller.placement import Need, pick_worker, place
 from space.db.sealing import Sealer
 from space.db.store import Conflict, NotFound, Row, Store
 from space.db.store.templates import build_context
@@ -20,6 +20,7 @@ from space.worker.api.client import Worker, WorkerClient, WorkerError
 from space.worker.api.models import AdoptVolume, BuildRequest, CheckpointSource
 
 log = logging.getLogger(__name__)
+VOLUMES_AT_ONCE = 4
 
 TIMEOUT_ACTIONS = {"pause": ("paused", "pause"), "suspend": ("suspended", "suspend"),
                    "delete": ("deleted", "delete")}  # fmt: skip
@@ -89,7 +90,8 @@ async def push_volumes(store: Store, workers: WorkerClient) -> None:
     whose host is lost or drained can move (`move_volumes`)."""
 
     async def push(vol: Row) -> None:
-        pushed = await workers.push_volume(Worker(vol["worker_id"], vol["url"]), vol["id"])
+        worker = Worker(vol["worker_id"], vol["url"])
+        pushed = await workers.push_volume(worker, vol["id"], vol["generation"])
         if await store.volume_pushed(vol, pushed.artifact):
             log.info("volume %s pushed: %s", vol["id"], pushed.artifact)
 
@@ -101,12 +103,14 @@ async def move_volumes(store: Store, workers: WorkerClient) -> None:
     registry and room, which pulls its image first; only then does it live there."""
     candidates = [w for w in await store.workers()
                   if w["state"] == "active" and w["registry"] and not w["draining"]]  # fmt: skip
-    load = await store.worker_load()
+    load = dict(await store.worker_load())
 
     async def move(vol: Row) -> None:
         others = [w for w in candidates if w["id"] != vol["worker_id"]]
-        target = pick_worker(others, load, Need(0, 0, vol["size_mib"]))
+        # Counted where it goes: a drained host's volumes spread by the room left.
+        target = place(others, load, Need(0, 0, vol["size_mib"]))
         if target is None:
+            log.info("volume %s: no worker with a registry has room for it yet", vol["id"])
             return
         to = next(w for w in others if w["id"] == target)
         body = AdoptVolume(artifact=vol["artifact"], size_mib=vol["size_mib"])
@@ -120,7 +124,14 @@ async def move_volumes(store: Store, workers: WorkerClient) -> None:
 async def _each_volume(
     volumes: list[Row], call: Callable[[Row], Awaitable[None]], failed: str
 ) -> None:
-    results = await asyncio.gather(*(call(v) for v in volumes), return_exceptions=True)
+    """`call` for every volume, a few at once (each holds chunks in memory on its worker)."""
+    slots = asyncio.Semaphore(VOLUMES_AT_ONCE)
+
+    async def one(vol: Row) -> None:
+        async with slots:
+            await call(vol)
+
+    results = await asyncio.gather(*(one(v) for v in volumes), return_exceptions=True)
     for vol, result in zip(volumes, results, strict=True):
         if isinstance(result, WorkerError) and result.status == 412:
             raise LostLeadership(result.detail)

@@ -44,6 +44,7 @@ from space.worker.api.models import (
     ProcessInfo,
     ProcessList,
     ProcessSignal,
+    PushVolume,
     Reconcile,
     Reconciled,
     TerminalSize,
@@ -335,10 +336,10 @@ class WorkerClient:
         assert got is not None
         return got
 
-    async def push_volume(self, w: Worker, volume_id: str) -> VolumePushed:
+    async def push_volume(self, w: Worker, volume_id: str, generation: int) -> VolumePushed:
         got = await self._call(
             "POST", w, w.path("volumes", volume_id, "push"), VolumePushed, timeout=STATE_S,
-            fenced=True,
+            body=PushVolume(generation=generation), fenced=True,
         )  # fmt: skip
         assert got is not None
         return got

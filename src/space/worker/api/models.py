@@ -86,6 +86,13 @@ class AdoptVolume(Strict):
     size_mib: int = Field(ge=1, le=1 << 22)  # what its image may be at most
 
 
+class PushVolume(Strict):
+    """POST /volumes/{id}/push: of the volume as the control plane last placed it (its
+    `generation`): a push under way of an earlier one is not this one."""
+
+    generation: int = Field(ge=0)
+
+
 class VolumePushed(Answer):
     """POST /volumes/{id}/push: the detached volume's image, now in the registry."""
 

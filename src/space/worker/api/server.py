@@ -50,6 +50,7 @@ from space.worker.api.models import (
     ClaimVM,
     CreateVM,
     Health,
+    PushVolume,
     Reconcile,
     Reconciled,
     Resources,
@@ -275,8 +276,9 @@ class WorkerAPI:
     async def push_volume(self, request: Request) -> Response:
         self._fenced(request)
         volume_id = str(request.path_params["volume_id"])
+        body = await read_body(PushVolume, request)
         try:
-            artifact = await volume_artifacts.push(self.manager, volume_id)
+            artifact = await volume_artifacts.push(self.manager, volume_id, body.generation)
         except (RegistryError, OSError) as e:
             raise Problem(503, f"volume {volume_id} not pushed: {e}") from None
         return JSONResponse(VolumePushed(id=volume_id, artifact=artifact).model_dump())

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import tempfile
 import uuid
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from space.worker.api.models import VOLUME_ID
 from space.worker.sandboxes.errors import InvalidArgument, VolumeInUse
-from space.worker.sandboxes.records import fsync_tree
+from space.worker.sandboxes.records import fsync_tree, rename_durable, write_durable
 from space.worker.storage.reflink import clone_file
 from space.worker.templates.errors import ImageError
 
@@ -46,16 +45,16 @@ def _checked(manager: VMManager, volume_id: str) -> None:
         raise VolumeInUse(f"volume {volume_id} is attached to {', '.join(users)}")
 
 
-async def push(manager: VMManager, volume_id: str) -> str:
+async def push(manager: VMManager, volume_id: str, generation: int) -> str:
     """The volume's image as it is now, in the registry; refused while a sandbox here has it.
-    A push asked for again while one is under way is that one."""
+    A push asked for again, of the same `generation`, while one is under way is that one."""
     _checked(manager, volume_id)
-    pushes = manager.volumes.pushes
-    if volume_id not in pushes:
+    pushes, key = manager.volumes.pushes, (volume_id, generation)
+    if key not in pushes:
         task = asyncio.ensure_future(_push(manager, volume_id))
-        pushes[volume_id] = task
-        task.add_done_callback(lambda _: pushes.pop(volume_id, None))
-    return await asyncio.shield(pushes[volume_id])
+        pushes[key] = task
+        task.add_done_callback(lambda _: pushes.pop(key, None))
+    return await asyncio.shield(pushes[key])
 
 
 async def _push(manager: VMManager, volume_id: str) -> str:
@@ -63,6 +62,7 @@ async def _push(manager: VMManager, volume_id: str) -> str:
     image = manager.volumes.image(volume_id)
     if not image.exists():
         raise InvalidArgument(f"this worker has no image of volume {volume_id}")
+    writers = manager.volumes.writers.get(volume_id, 0)
     # A reflink of it at this instant is what goes: a sandbox attaching meanwhile writes its own.
     stage = Path(tempfile.mkdtemp(prefix=".push-", dir=manager.volumes.dir))
     try:
@@ -72,8 +72,9 @@ async def _push(manager: VMManager, volume_id: str) -> str:
         )
     finally:
         await asyncio.to_thread(shutil.rmtree, stage, True)
-    if not _users(manager, volume_id):  # attached meanwhile: this copy is no longer that push
-        manager.volumes.marker(volume_id).write_text(pushed.reference)
+    # Attached meanwhile (even by a sandbox gone since): this copy is no longer that push.
+    if not _users(manager, volume_id) and manager.volumes.writers.get(volume_id, 0) == writers:
+        write_durable(manager.volumes.marker(volume_id), pushed.reference)
     return pushed.reference
 
 
@@ -94,7 +95,7 @@ async def adopt(manager: VMManager, volume_id: str, artifact: str, size_mib: int
             await asyncio.to_thread(fsync_tree, dest)
             _checked(manager, volume_id)  # nothing attached it here meanwhile
             marker.unlink(missing_ok=True)  # no copy is that push until the image is in place
-            os.replace(dest / IMAGE, manager.volumes.image(volume_id))
-            marker.write_text(artifact)
+            rename_durable(dest / IMAGE, manager.volumes.image(volume_id))
+            write_durable(marker, artifact)
         finally:
             await asyncio.to_thread(shutil.rmtree, dest, True)

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -37,17 +39,27 @@ from space.worker.artifacts.trust import foreign_snapshot_problem
 from space.worker.machine import BootImages, Machine, remap
 from space.worker.network import GUEST_MAC
 from space.worker.sandboxes import guest
-from space.worker.sandboxes.records import Layout, fsync_tree, rename_durable, write_durable
+from space.worker.sandboxes.records import (
+    UNREADABLE,
+    Layout,
+    fsync_tree,
+    rename_durable,
+    write_durable,
+)
 from space.worker.sandboxes.volumes import Volumes
 from space.worker.storage.pool import Pool
+from space.worker.storage.reflink import clone_file
 from space.worker.templates import TemplateRecord
 from space.worker.templates.errors import ImageError, RegistryError
 from space.worker.vmm.base import Driver, SnapshotInfo, VMMError
+from space.worker.vmm.qemu import host_tsc_khz
 
 log = logging.getLogger(__name__)
 
 IMAGES_FILE = "images.json"
+TAG_FILE = "tag"  # of a base snapshot pulled from the registry: what it was shared as
 KIND = "snapshot"
+PULL_S = 120.0  # on the way of a create: a registry slower than this, and it is made here
 NetworkFor = Callable[[str, Policy], AbstractAsyncContextManager[int | None]]
 
 
@@ -92,13 +104,17 @@ class BaseSnapshots:
         self.artifacts = artifacts
         self._locks = KeyedLock()
         self._pushes: set[asyncio.Task[None]] = set()
+        self._refused: set[str] = set()  # tags pulled that did not restore here: made here
 
     def clean(self) -> None:
         for tmp in self.layout.base.glob(".*"):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def drop(self, path: Path) -> None:
-        """Forget a base snapshot that failed to restore: the next create builds it again."""
+        """Forget a base snapshot that failed to restore: the next create builds it again
+        (one pulled is not pulled again)."""
+        with contextlib.suppress(OSError):
+            self._refused.add((path / TAG_FILE).read_text())
         shutil.rmtree(path, ignore_errors=True)
 
     async def remove_template(self, name: str) -> None:
@@ -119,8 +135,8 @@ class BaseSnapshots:
                 if json.loads((path / IMAGES_FILE).read_text()) == made_from:
                     return SnapshotInfo.load(path), False
                 log.info("base snapshot %s was made from other images; rebuilding it", key)
-            tag = await self._tag(images, record, made_from)
-            if (pulled := await self._pull(key, tag, images, made_from)) is not None:
+            tag = await self._tag(images, record, made_from) if self.artifacts else ""
+            if tag and (pulled := await self._pull(key, tag, images, made_from)) is not None:
                 return pulled, False
             started = time.perf_counter()
             build_id = f"base-{key}-{uuid.uuid4().hex[:6]}"
@@ -132,7 +148,8 @@ class BaseSnapshots:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             log.info("base snapshot %s built in %.1f s", key, time.perf_counter() - started)
-            self._push(key, tag, path)
+            if tag:
+                await self._push(key, tag, path)
             return SnapshotInfo.load(path), True
 
     async def put(
@@ -154,43 +171,53 @@ class BaseSnapshots:
         ca = hashlib.sha256(await self.ca_pem()).hexdigest() if self.ca_pem else None
         build = record.digest if record is not None else images.rootfs.parent.name
         shared = {k: v for k, v in made_from.items() if k != "rootfs"}
-        text = json.dumps({"build": build, "ca": ca, **shared}, sort_keys=True)
+        text = json.dumps({"build": build, "ca": ca, "host": _host_key(self.driver), **shared},
+                          sort_keys=True)  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     async def _pull(
         self, key: str, tag: str, images: BootImages, made_from: dict[str, Any]
     ) -> SnapshotInfo | None:
         """The base snapshot another worker made and pushed, installed here; None if there is
-        none to trust (the caller then makes one)."""
-        if self.artifacts is None:
+        none to trust, or the registry does not answer in time (the caller then makes one)."""
+        if self.artifacts is None or tag in self._refused:
             return None
         dest = self.staging(key)
         try:
-            reference = await self.artifacts.find(KIND, key, tag)
-            if reference is None:
-                return None
-            await self.artifacts.pull(reference, KIND, key, dest, log.info)
+            async with asyncio.timeout(PULL_S):
+                reference = await self.artifacts.find(KIND, key, tag)
+                if reference is None:
+                    return None
+                await self.artifacts.pull(reference, KIND, key, dest, log.info)
             if why := foreign_snapshot_problem(images, SnapshotInfo.load(dest)):
                 raise ImageError(why)
+            write_durable(dest / TAG_FILE, tag)
             await self._install(self.layout.base / key, dest, made_from)
-        except (RegistryError, ImageError, OSError, ValueError, VMMError) as e:
+        except (RegistryError, ImageError, OSError, VMMError, TimeoutError, *UNREADABLE) as e:
             log.warning("base snapshot %s not taken from the registry (made here): %s", key, e)
-            shutil.rmtree(dest, ignore_errors=True)
+            self._refused.add(tag)
             return None
+        finally:
+            shutil.rmtree(dest, ignore_errors=True)  # gone once installed
         log.info("base snapshot %s pulled from %s", key, reference)
         return SnapshotInfo.load(self.layout.base / key)
 
-    def _push(self, key: str, tag: str, path: Path) -> None:
-        """Share a base snapshot made here, in the background: the create that made it does
+    async def _push(self, key: str, tag: str, path: Path) -> None:
+        """Share a base snapshot made here, in the background from a reflinked copy of it
+        (the snapshot itself may be rebuilt or dropped meanwhile): the create that made it does
         not wait; a failure only means the next worker makes its own."""
         if self.artifacts is None:
             return
+        copy = self.staging(f"push-{key}")
+        await asyncio.to_thread(shutil.copytree, path, copy, copy_function=_clone)
 
         async def push(artifacts: Artifacts) -> None:
             try:
-                await artifacts.push(KIND, key, tag, path, {"key": key}, log.info)
+                await artifacts.push(KIND, key, tag, copy, {"key": key}, log.info)
             except (RegistryError, OSError) as e:
                 log.warning("base snapshot %s not pushed: %s", key, e)
+            finally:
+                await asyncio.to_thread(shutil.rmtree, copy, True)
 
         task = asyncio.ensure_future(push(self.artifacts))
         self._pushes.add(task)
@@ -245,6 +272,26 @@ class BaseSnapshots:
             await guest.install_ca(machine, await self.ca_pem())
         if record is not None:
             await guest.start_service(machine, record)
+
+
+def _clone(src: str, dst: str) -> None:
+    clone_file(Path(src), Path(dst))
+
+
+@functools.cache
+def _host_key(driver: Driver) -> str:
+    """What a snapshot's guest state depends on beyond its images: the VMM (its binary), how it
+    runs guests, and the CPU it passes through (features, and the TSC rate TCG guests get)."""
+    parts = [type(driver).__name__, str(getattr(driver, "accel", "")), str(host_tsc_khz())]
+    binary = shutil.which(str(getattr(driver, "binary", "")) or "qemu-system-x86_64")
+    if binary:
+        st = os.stat(binary)
+        parts.append(f"{binary}:{st.st_size}:{st.st_mtime_ns}")
+    with contextlib.suppress(OSError):
+        cpu = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+        parts += [line for line in cpu.splitlines()
+                  if line.startswith(("model name", "flags"))]  # fmt: skip
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def _images_record(images: BootImages, nic: bool, driver: Driver) -> dict[str, Any]:

@@ -26,7 +26,8 @@ class Volumes:
     def __init__(self, directory: Path, empty_slot: Path) -> None:
         self.dir = directory
         self.empty_slot = empty_slot
-        self.pushes: dict[str, asyncio.Task[str]] = {}  # to the registry, under way
+        self.pushes: dict[tuple[str, int], asyncio.Task[str]] = {}  # to the registry, under way
+        self.writers: dict[str, int] = {}  # attachments that may write, ever, per volume
 
     def clean(self) -> None:
         """What was cut short: an image being made, a push or a pull (directories)."""
@@ -72,6 +73,7 @@ class Volumes:
         out = []
         for v in volumes:
             if not v.read_only:
+                self.writers[v.id] = self.writers.get(v.id, 0) + 1
                 self.marker(v.id).unlink(missing_ok=True)  # it may be written from now on
             image = self.image(v.id)
             if not image.exists():

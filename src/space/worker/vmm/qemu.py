@@ -368,7 +368,7 @@ class QemuDriver(Driver):
             # Under TCG on a busy host the guest's TSC calibration against the PIT fails now and
             # then and the boot stalls with its clock stuck at 0; the emulated TSC runs at the
             # host's rate, so tell the guest that rate instead of letting it measure.
-            khz = _host_tsc_khz()
+            khz = host_tsc_khz()
             if khz:
                 cmdline += f" tsc_early_khz={khz} tsc=reliable"
             # TCG caches translated code by virtual address, so with address-space layout
@@ -585,7 +585,7 @@ def _check_same_machine(saved: VMConfig, new: VMConfig) -> None:
 
 
 @functools.cache
-def _host_tsc_khz() -> int | None:
+def host_tsc_khz() -> int | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("cpu MHz"):
