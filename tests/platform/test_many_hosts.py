@@ -123,12 +123,7 @@ def test_a_template_built_on_one_host_runs_on_another_once_its_builder_is_gone(
         artifact = tpl["built"]["artifact"]
         assert artifact.startswith(f"{registry.host}/space/templates/far@sha256:"), tpl
         (builder,) = [w for w in hosts.workers if holds(hosts, w, "far")]
-        # The builder is lost for good, its disk with it.
-        hosts.remove_worker(builder)
-        deadline = time.monotonic() + 30
-        while worker_rows(hosts)[builder]["state"] != "lost":
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
+        lose_for_good(hosts, builder)
 
         first = create(c, template="far")
         assert first["state"] == "running", first
@@ -176,26 +171,36 @@ def fresh_host(p: Platform) -> str:
     return worker_id
 
 
+def lose_for_good(p: Platform, worker_id: str) -> None:
+    """The host gone, its disk with it, and the control plane has seen it go."""
+    p.remove_worker(worker_id)
+    deadline = time.monotonic() + 30
+    while worker_rows(p)[worker_id]["state"] != "lost":
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+
+
+def suspended_with_a_process(c: httpx.Client) -> tuple[str, str, int]:
+    """A sandbox with a file and a counting process, suspended: its id, host and process."""
+    sb = create(c)
+    run(c, sb["id"], "echo kept > /root/file")
+    pid = start_counter(c, sb["id"])
+    r = c.post(f"/v1/sandboxes/{sb['id']}/suspend")
+    assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
+    return sb["id"], sb["worker_id"], pid
+
+
 def test_a_sandbox_suspended_on_a_host_lost_for_good_resumes_on_another_as_it_was(
     hosts: Platform, registry: Registry
 ) -> None:
     while len(hosts.workers) < 2:
         fresh_host(hosts)
     with hosts.client() as c:
-        sb = create(c)
-        sid, home = sb["id"], sb["worker_id"]
-        run(c, sid, "echo kept > /root/file")
-        pid = start_counter(c, sid)
-        r = c.post(f"/v1/sandboxes/{sid}/suspend")
-        assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
+        sid, home, pid = suspended_with_a_process(c)
         artifact = sandbox_rows(hosts, [sid])[sid]["artifact"]
         assert artifact and artifact.startswith(f"{registry.host}/space/sandboxes/{sid}@"), artifact
 
-        hosts.remove_worker(home)  # its disk, and the snapshot on it, gone with it
-        deadline = time.monotonic() + 30
-        while worker_rows(hosts)[home]["state"] != "lost":
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
+        lose_for_good(hosts, home)  # the snapshot on its disk gone with it
         assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "suspended"
 
         r = c.post(f"/v1/sandboxes/{sid}/resume")
@@ -293,18 +298,10 @@ def test_a_move_waits_out_a_registry_that_is_down_and_loses_nothing(
     while len(hosts.workers) < 2:
         fresh_host(hosts)
     with hosts.client() as c:
-        sb = create(c)
-        sid, home = sb["id"], sb["worker_id"]
-        run(c, sid, "echo kept > /root/file")
-        pid = start_counter(c, sid)
-        assert c.post(f"/v1/sandboxes/{sid}/suspend").json()["state"] == "suspended"
+        sid, home, pid = suspended_with_a_process(c)
         registry.stop()
         try:
-            hosts.remove_worker(home)
-            deadline = time.monotonic() + 30
-            while worker_rows(hosts)[home]["state"] != "lost":
-                assert time.monotonic() < deadline
-                time.sleep(0.3)
+            lose_for_good(hosts, home)
             assert (
                 c.post(f"/v1/sandboxes/{sid}/resume", params={"wait": "false"}).status_code == 200
             )
@@ -353,7 +350,7 @@ def test_a_detached_volume_moves_off_a_host_lost_for_good_with_its_data(
             time.sleep(0.5)
         assert artifact.startswith(f"{registry.host}/space/volumes/{vol}@sha256:"), artifact
 
-        hosts.remove_worker(home)  # the host and the volume's image on it, gone for good
+        lose_for_good(hosts, home)  # the volume's image on its disk gone with it
         deadline = time.monotonic() + 60  # lost, then moved: pulled by another host first
         while volume_row(hosts, vol)["worker_id"] == home:
             assert time.monotonic() < deadline, hosts.controller.log.read_text()[-3000:]
