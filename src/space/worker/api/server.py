@@ -11,11 +11,12 @@ itself is `VMManager`'s. Lifecycle calls must carry the leader's epoch, which th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import re
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -124,6 +125,19 @@ class BearerAuth:
 # error is the registry away for now (503: tried again).
 PERMANENT = (ImageError, ImageNotFound, DigestMismatch, AuthenticationFailed)
 
+
+@contextlib.contextmanager
+def _pulling(what: str) -> Iterator[None]:
+    """A failed pull of `what` as the worker's answer: 502 if another try would fail alike,
+    503 (tried again) if the registry is away for now."""
+    try:
+        yield
+    except PERMANENT as e:
+        raise Problem(502, f"{what} could not be pulled: {e}") from None
+    except (RegistryError, OSError) as e:
+        raise Problem(503, f"{what} not pulled yet: {e}") from None
+
+
 # --- routes -----------------------------------------------------------------------------------
 
 
@@ -195,13 +209,9 @@ class WorkerAPI:
         body = await read_body(CreateVM, request)
         if self.problems() and self.manager.egress is not None:
             raise Problem(503, f"this worker cannot start VMs now: {'; '.join(self.problems())}")
-        try:
-            if body.template_build is not None:
+        if body.template_build is not None:
+            with _pulling(f"template {body.template}"):
                 await template_artifacts.ensure(self.manager, body.template, body.template_build)
-        except PERMANENT as e:
-            raise Problem(502, f"not pulled: {e}") from None
-        except (RegistryError, OSError) as e:  # the registry may be back soon: retried
-            raise Problem(503, f"not pulled yet: {e}") from None
         sb = await self.manager.create(
             self._vm_id(request), body.template, body.vcpus, body.memory_mib, body.env,
             body.hostname, body.disk_mib, body.warm,
@@ -260,12 +270,8 @@ class WorkerAPI:
     async def adopt(self, request: Request) -> Response:
         self._fenced(request)
         body = await read_body(AdoptVM, request)
-        try:
+        with _pulling("the sandbox"):
             sb = await self.manager.adopt(self._vm_id(request), body.artifact)
-        except PERMANENT as e:
-            raise Problem(502, f"the sandbox could not be pulled: {e}") from None
-        except (RegistryError, OSError) as e:
-            raise Problem(503, f"the sandbox is not pulled yet: {e}") from None
         return _state(sb.id, sb.state)
 
     async def delete(self, request: Request) -> Response:
@@ -287,12 +293,8 @@ class WorkerAPI:
         self._fenced(request)
         volume_id = str(request.path_params["volume_id"])
         body = await read_body(AdoptVolume, request)
-        try:
+        with _pulling(f"volume {volume_id}"):
             await volume_artifacts.adopt(self.manager, volume_id, body.artifact, body.size_mib)
-        except PERMANENT as e:
-            raise Problem(502, f"volume {volume_id} could not be pulled: {e}") from None
-        except (RegistryError, OSError) as e:
-            raise Problem(503, f"volume {volume_id} not pulled yet: {e}") from None
         return Response(status_code=204)
 
     async def delete_volume(self, request: Request) -> Response:
