@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from space.controller.leader import LostLeadership
 from space.controller.placement import Need, pick_worker, why_not
@@ -53,7 +53,10 @@ class Moves:
         if usable and not w["draining"]:  # type: ignore[index]
             return row
         why = "is being drained" if usable else "is lost"
-        stays = await self._stays(row, w)
+        checkpointed = await self.store.with_checkpoints([row["id"]])
+        stays = why_it_stays(w, row, checkpointed) if w is not None else None
+        if stays is None and not row["artifact"]:
+            stays = "its snapshot is only on this host"
         if stays is not None:
             if usable:
                 self.stuck.add(row["id"])  # a drain must not suspend it again and again
@@ -89,16 +92,6 @@ class Moves:
             reason=f"moved to worker {target}: worker {row['worker_id']} {why}",
             where_worker=row["worker_id"],
         )  # fmt: skip
-
-    async def _stays(self, row: Row, worker: Row | None) -> str | None:
-        """Why the sandbox cannot leave its worker, if it cannot."""
-        if row["volumes"]:
-            return "its volumes are on that host"
-        if await self.store.with_checkpoints([row["id"]]):
-            return "its checkpoints are on that host"
-        if not row["artifact"]:
-            return "its snapshot is only on that host"
-        return None
 
     async def drain(self) -> None:
         """One pass over every worker being drained; one sandbox that fails does not stop the
@@ -148,16 +141,23 @@ def to_move(
     for r in rows:
         if r["state"] in ("deleted", "deleting", "error"):
             continue
-        if r["pool"]:
-            leaving.append(r["id"])
-        elif r["volumes"]:
-            staying[r["id"]] = "its volumes are on this host"
-        elif r["id"] in checkpointed:
-            staying[r["id"]] = "its checkpoints are on this host"
-        elif not worker["registry"]:
-            staying[r["id"]] = "the worker pushes nothing to a registry"
-        elif r["state"] == "suspended" and not r["artifact"]:
-            staying[r["id"]] = "its snapshot is only on this host"
+        if (why := why_it_stays(worker, r, checkpointed)) is not None:
+            staying[r["id"]] = why
         else:
             leaving.append(r["id"])
     return leaving, staying
+
+
+def why_it_stays(worker: Row, row: Row, checkpointed: Collection[str]) -> str | None:
+    """Why a sandbox cannot leave its worker, if it cannot (a pool member always can)."""
+    if row["pool"]:
+        return None
+    if row["volumes"]:
+        return "its volumes are on this host"
+    if row["id"] in checkpointed:
+        return "its checkpoints are on this host"
+    if not worker["registry"]:
+        return "the worker pushes nothing to a registry"
+    if row["state"] == "suspended" and not row["artifact"]:
+        return "its snapshot is only on this host"
+    return None

@@ -20,7 +20,7 @@ from space.worker.api.client import Worker, WorkerClient, WorkerError
 from space.worker.api.models import AdoptVolume, BuildRequest, CheckpointSource
 
 log = logging.getLogger(__name__)
-VOLUMES_AT_ONCE = 4
+VOLUMES_AT_ONCE = 4  # each push or pull holds a few chunks in memory on its worker
 
 TIMEOUT_ACTIONS = {"pause": ("paused", "pause"), "suspend": ("suspended", "suspend"),
                    "delete": ("deleted", "delete")}  # fmt: skip
@@ -42,15 +42,28 @@ async def timeouts(store: Store) -> None:
 
 async def each_worker(workers: Iterable[Row], call: Callable[[Row], Awaitable[None]]) -> None:
     """`call(worker)` for every active worker at once; a stale epoch ends the leadership."""
-    active = [w for w in workers if w["state"] == "active"]
-    results = await asyncio.gather(*(call(w) for w in active), return_exceptions=True)
-    for w, result in zip(active, results, strict=True):
+    await _each([w for w in workers if w["state"] == "active"], call, "worker")
+
+
+async def _each(
+    rows: list[Row], call: Callable[[Row], Awaitable[None]], what: str, at_once: int = 0
+) -> None:
+    """`call(row)` for every row at once (at most `at_once` together, if given); a stale epoch
+    ends the leadership, any other failure is logged and met again at the next pass."""
+    slots = asyncio.Semaphore(at_once or max(len(rows), 1))
+
+    async def one(row: Row) -> None:
+        async with slots:
+            await call(row)
+
+    results = await asyncio.gather(*(one(r) for r in rows), return_exceptions=True)
+    for row, result in zip(rows, results, strict=True):
         if isinstance(result, WorkerError) and result.status == 412:
             raise LostLeadership(result.detail)
         if isinstance(result, WorkerError):
-            log.info("worker %s: %s", w["id"], result)
+            log.info("%s %s: %s", what, row["id"], result)
         elif isinstance(result, BaseException):
-            log.warning("worker %s: %r", w["id"], result)
+            log.warning("%s %s: %r", what, row["id"], result)
 
 
 async def collect_garbage(store: Store, workers: WorkerClient) -> None:
@@ -95,7 +108,7 @@ async def push_volumes(store: Store, workers: WorkerClient) -> None:
         if await store.volume_pushed(vol, pushed.artifact):
             log.info("volume %s pushed: %s", vol["id"], pushed.artifact)
 
-    await _each_volume(await store.volumes_to_push(), push, "not pushed yet")
+    await _each(await store.volumes_to_push(), push, "volume not pushed yet", VOLUMES_AT_ONCE)
 
 
 async def move_volumes(store: Store, workers: WorkerClient) -> None:
@@ -118,25 +131,7 @@ async def move_volumes(store: Store, workers: WorkerClient) -> None:
         if await store.volume_moved(vol, target):
             log.info("volume %s moved from worker %s to %s", vol["id"], vol["worker_id"], target)
 
-    await _each_volume(await store.volumes_to_move(), move, "not moved yet")
-
-
-async def _each_volume(
-    volumes: list[Row], call: Callable[[Row], Awaitable[None]], failed: str
-) -> None:
-    """`call` for every volume, a few at once (each holds chunks in memory on its worker)."""
-    slots = asyncio.Semaphore(VOLUMES_AT_ONCE)
-
-    async def one(vol: Row) -> None:
-        async with slots:
-            await call(vol)
-
-    results = await asyncio.gather(*(one(v) for v in volumes), return_exceptions=True)
-    for vol, result in zip(volumes, results, strict=True):
-        if isinstance(result, WorkerError) and result.status == 412:
-            raise LostLeadership(result.detail)
-        if isinstance(result, BaseException):
-            log.info("volume %s %s: %s", vol["id"], failed, result)
+    await _each(await store.volumes_to_move(), move, "volume not moved yet", VOLUMES_AT_ONCE)
 
 
 async def delete_volumes(store: Store, workers: WorkerClient) -> None:
