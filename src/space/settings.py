@@ -152,6 +152,22 @@ class RegistrySettings:
 
 
 @dataclass(frozen=True)
+class JailSettings:
+    """How VMMs are confined (`worker/vmm/jail/`)."""
+
+    enabled: bool = True  # off: VMMs run as the worker's root (a baseline for benchmarks)
+    # Each VMM runs as a uid (and gid) of its own from [uid_base, uid_base + uid_count), shared
+    # by every worker of the host.
+    uid_base: int = 1_500_000_000
+    uid_count: int = 65_536
+    # The VMM's cgroup: guest RAM plus this for the VMM itself (TCG's code cache, device
+    # buffers), a cap on its threads, and CPU time up to its vCPUs plus `extra_cpus`.
+    memory_overhead_mib: int = 256
+    pids: int = 160
+    extra_cpus: float = 1.0
+
+
+@dataclass(frozen=True)
 class WorkerSettings:
     driver: Literal["qemu", "firecracker"] = "qemu"
     accel: Literal["auto", "kvm", "tcg"] = "auto"
@@ -187,6 +203,7 @@ class WorkerSettings:
     join_token_file: Path | None = None
     control_url: str = ""
     registry: RegistrySettings = field(default_factory=RegistrySettings)
+    jail: JailSettings = field(default_factory=JailSettings)
     gateway: GatewayEnv = field(default_factory=GatewayEnv)
 
 
@@ -289,6 +306,16 @@ class Settings:
                 tls=e.flag("SPACE_WORKER_TLS", False),
                 join_token_file=Path(token_file) if token_file else None,
                 control_url=e.text("SPACE_CONTROL_URL"),
+                jail=JailSettings(
+                    enabled=e.flag("SPACE_WORKER_JAIL", True),
+                    uid_base=e.integer("SPACE_WORKER_JAIL_UID_BASE", 1_500_000_000, low=1),
+                    uid_count=e.integer("SPACE_WORKER_JAIL_UIDS", 65_536, low=1),
+                    memory_overhead_mib=e.integer(
+                        "SPACE_WORKER_JAIL_MEMORY_OVERHEAD_MIB", 256, low=64
+                    ),
+                    pids=e.integer("SPACE_WORKER_JAIL_PIDS", 160, low=32),
+                    extra_cpus=e.number("SPACE_WORKER_JAIL_EXTRA_CPUS", 1.0, low=0.0),
+                ),
                 registry=RegistrySettings(
                     url=e.text("SPACE_REGISTRY"),
                     insecure=e.flag("SPACE_REGISTRY_INSECURE", False),

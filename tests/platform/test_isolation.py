@@ -3,6 +3,7 @@ VM's limit, a fork bomb fills only its own guest, and the neighbours keep answer
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..stack import Platform
@@ -85,3 +86,43 @@ def test_the_worker_runs_no_program_of_the_guest_for_itself(platform: Platform) 
         assert out.split() == [b"kept", b"lost+found", b"note"], out
         c.delete(f"/v1/sandboxes/{other['id']}")
         c.delete(f"/v1/volumes/{vol}")
+
+
+def _status(pid: int) -> dict[str, str]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return {k: v.strip() for k, v in (line.split(":", 1) for line in text.splitlines())}
+
+
+def test_every_vmm_runs_jailed(platform: Platform) -> None:
+    """Each sandbox's VMM (a created one and a warm pool's restore alike) runs as a uid of its
+    own with no capabilities, no_new_privs, a seccomp filter, and namespaces and a cgroup that
+    are not the host's nor another VMM's."""
+    with platform.client() as c:
+        made = [create(c), create(c, memory_mib=384)]
+        pids = [p for w in platform.workers for sb in made
+                for p in vmm_pids(POOL / w / "vms" / sb["id"])]  # fmt: skip
+        assert len(pids) == len(made)
+        host_mnt = os.readlink("/proc/self/ns/mnt")
+        seen: dict[str, set[str]] = {"uid": set(), "mnt": set(), "cgroup": set()}
+        for pid in pids:
+            st = _status(pid)
+            uid = st["Uid"].split()
+            assert uid[0] != "0" and len(set(uid)) == 1, st["Uid"]
+            assert st["CapEff"] == st["CapPrm"] == st["CapBnd"] == "0000000000000000"
+            assert st["NoNewPrivs"] == "1" and st["Seccomp"] == "2"
+            mnt = os.readlink(f"/proc/{pid}/ns/mnt")
+            assert mnt != host_mnt
+            cgroups = {line.split(":", 2)[2] for line in
+                       Path(f"/proc/{pid}/cgroup").read_text().splitlines()}  # fmt: skip
+            own = {g for g in cgroups if g.startswith("/space/vm-")}
+            assert own, cgroups
+            # Its root holds the distribution's /usr, a few device nodes and its own VM's
+            # files: no /proc, no /etc beyond the loader's cache.
+            root = Path(f"/proc/{pid}/root")
+            assert not (root / "proc/self").exists() and not (root / "etc/shadow").exists()
+            seen["uid"].add(uid[0])
+            seen["mnt"].add(mnt)
+            seen["cgroup"] |= own
+        assert all(len(v) == len(made) for v in seen.values()), seen
+        for sb in made:
+            c.delete(f"/v1/sandboxes/{sb['id']}")

@@ -16,6 +16,7 @@ from space.worker.machine import BootImages
 from space.worker.storage.pool import Pool, ensure_pool
 from space.worker.vmm.accel import choose_accel
 from space.worker.vmm.base import Driver
+from space.worker.vmm.jail import Jail
 from space.worker.vmm.qemu import QemuDriver
 
 
@@ -48,5 +49,6 @@ async def local_runtime(
             guest_aslr=s.guest_aslr,
             free_page_reporting=s.free_page_reporting,
             mapped_memory=s.mapped_memory,
+            jail=Jail(s.jail) if s.jail.enabled else None,
         )
     return LocalRuntime(pool=pool, images=images, driver=driver)

@@ -238,7 +238,7 @@ class NetworkManager:
 
         The fd is bound to the device inside the namespace, so QEMU itself runs in the host's.
         """
-        return netns.run_in(net.netns, lambda: _open_tap(net.tap, persist=False))
+        return netns.run_in(net.netns, lambda: open_tap_device(net.tap, persist=False))
 
 
 def _check_id(sandbox_id: str) -> None:
@@ -251,7 +251,8 @@ def _sysctl(key: str, value: str) -> None:
     Path("/proc/sys", key).write_text(value)
 
 
-def _open_tap(name: str, persist: bool) -> int:
+def open_tap_device(name: str, persist: bool = False) -> int:
+    """An fd on tap `name` of the calling thread's network namespace (made if missing)."""
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
     try:
         ifr = struct.pack("16sH22x", name.encode(), IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)
@@ -265,7 +266,7 @@ def _open_tap(name: str, persist: bool) -> int:
 
 
 def _make_tap(name: str) -> None:
-    os.close(_open_tap(name, persist=True))
+    os.close(open_tap_device(name, persist=True))
 
 
 def _link_ipv4(link: str) -> str | None:

@@ -286,6 +286,12 @@ class Driver(abc.ABC):
     # map (VMConfig.memory_file); otherwise such a config's file is ignored.
     mapped_memory: bool = False
 
+    @property
+    def shares_snapshot_memory(self) -> bool:
+        """Whether clones of a snapshot map its memory file itself (sharing its pages), rather
+        than a copy of their own."""
+        return True
+
     @abc.abstractmethod
     async def boot(self, config: VMConfig, run_dir: Path) -> VM:
         """Cold-boot `config`; returns once the VMM process is up (not the guest)."""

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from space.worker.vmm.base import VMGone, VMMError
 
+if TYPE_CHECKING:
+    from space.worker.vmm.jail import Confinement
+
+HIGH_FD = 1000  # where descriptors for a child are parked while its own are laid out
 VMM_NICE = 10  # a vCPU thread's CFS weight then is about a tenth of the platform's processes'
 
 
@@ -51,31 +57,35 @@ class VMMProcess:
 
     @classmethod
     def spawn(
-        cls,
-        argv: list[str],
-        log_path: Path,
-        read_files: dict[int, Path] | None = None,
-        fds: dict[int, int] | None = None,
+        cls, argv: list[str], log_path: Path, fds: dict[int, int], jail: Confinement | None = None
     ) -> VMMProcess:
-        """Start `argv` in a session of its own; `read_files` opens files on given fds for it,
-        `fds` hands it our descriptors (child fd: ours)."""
-        nice = shutil.which("nice")
-        if shutil.which(argv[0]) is None or nice is None:
-            raise VMMError(f"{argv[0]} or nice not found")
+        """Start `argv` in a session of its own, in `jail` if given, with our descriptors `fds`
+        (child fd: ours) and its output appended to `log_path`."""
         actions: list[tuple[Any, ...]] = [
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_OPEN, 1, str(log_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
             (os.POSIX_SPAWN_DUP2, 1, 2),
         ]
-        for fd, path in (read_files or {}).items():
-            actions.append((os.POSIX_SPAWN_OPEN, fd, str(path), os.O_RDONLY, 0))
-        for child_fd, ours in (fds or {}).items():
-            actions.append((os.POSIX_SPAWN_DUP2, ours, child_fd))
-        # nice execs the VMM in place (same pid, the VMM's own command line).
-        pid = os.posix_spawn(
-            nice, ["nice", "-n", str(VMM_NICE), *argv], dict(os.environ),
-            file_actions=actions, setsid=True,
-        )  # fmt: skip
+        # Ours first moved above every child fd, so that no dup2 overwrites one still to come.
+        high = {
+            child: fcntl.fcntl(ours, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for child, ours in fds.items()
+        }
+        try:
+            for child_fd, ours in high.items():
+                actions.append((os.POSIX_SPAWN_DUP2, ours, child_fd))
+            if jail is not None:
+                # The jail's launcher sets the VMM's nice value itself.
+                path, command = sys.executable, jail.command(argv)
+            else:
+                nice = shutil.which("nice")
+                if shutil.which(argv[0]) is None or nice is None:
+                    raise VMMError(f"{argv[0]} or nice not found")
+                # nice execs the VMM in place (same pid, the VMM's own command line).
+                path, command = nice, ["nice", "-n", str(VMM_NICE), *argv]
+            pid = os.posix_spawn(path, command, dict(os.environ), file_actions=actions, setsid=True)
+        finally:
+            for ours in high.values():
+                os.close(ours)
         return cls(pid, os.pidfd_open(pid), is_child=True)
 
     @classmethod

@@ -15,15 +15,18 @@ import functools
 import json
 import logging
 import os
-import shlex
 import shutil
+import socket
+import stat
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from qemu.qmp import ConnectError, QMPClient
+from qemu.qmp import QMPClient
 
 from space.guest.protocol import AGENT_PORT_NAME
+from space.worker.network.manager import open_tap_device
 from space.worker.storage.reflink import clone_file
 from space.worker.vmm.base import (
     MEMORY_FILE,
@@ -38,6 +41,7 @@ from space.worker.vmm.base import (
     VMStateError,
     VMStatus,
 )
+from space.worker.vmm.jail import Confinement, Jail
 from space.worker.vmm.process import VMMProcess
 
 log = logging.getLogger(__name__)
@@ -53,8 +57,26 @@ CONSOLE_LOG = "console.log"
 QEMU_LOG = "qemu.log"
 VM_FILE = "vm.json"
 DRIVE_ID = "drive"  # extra drives are drive0, drive1, …
+# Descriptors the VMM inherits: everything it reads or writes but its kernel, initramfs and a
+# memory file (which QEMU opens by path, inside its jail).
 STATE_FD = 3
 TAP_FD = 4
+QMP_FD = 5
+AGENT_FD = 6
+CONSOLE_FD = 7
+DISK_FD = 8
+DRIVE_FD = 9  # extra drive i: DRIVE_FD + i
+# QEMU opens a disk read-only first, then for writing; a set holds a descriptor for each, the
+# read-only one at this offset.
+READ_FD_OFFSET = 32
+# QEMU's image locks are open-file-description locks: on descriptors it dups from a set, they
+# outlive its own copies and then lock it out of its image. One writer per disk or volume is
+# the worker's rule (`sandboxes/volumes.py`), not the lock's.
+DRIVE_OPTIONS = "format=raw,if=none,file.locking=off"
+SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+# QEMU maps a file privately from a read-only descriptor from 8.2 on (memory-backend-file's
+# readonly=on with rom=off); before, it opens the file for writing whatever the mapping.
+READONLY_PRIVATE_MAP = (8, 2)
 SOCKET_WAIT_S = 10.0
 QMP_TIMEOUT_S = 10.0
 SNAPSHOT_TIMEOUT_S = 120.0
@@ -74,16 +96,21 @@ class QemuVM(VM):
         run_dir: Path,
         process: VMMProcess,
         accel: str,
+        jail: Jail | None = None,
+        confinement: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.run_dir = run_dir
         self.accel = accel
         self._proc = process
+        self._jail = jail
+        self.confinement = confinement  # the jail's uid and cgroup, given back when it is gone
         self._qmp: QMPClient | None = None
         self._state = VMState.STARTING
         self._reason: str | None = None
         self._ending = False  # stop/kill asked for: the exit is not a crash
         self._exited = asyncio.Event()
+        self._fd_lock = asyncio.Lock()
         self._watcher = asyncio.ensure_future(self._watch())
 
     # --- process lifetime ---------------------------------------------------------------------
@@ -122,28 +149,39 @@ class QemuVM(VM):
         for name in (QMP_SOCKET, AGENT_SOCKET, VM_FILE):
             with contextlib.suppress(FileNotFoundError):
                 (self.run_dir / name).unlink()
+        if self._jail is not None and self.confinement is not None:
+            await asyncio.to_thread(self._jail.release, self.confinement)
+            self.confinement = None
 
     def _check_alive(self) -> None:
         if self._exited.is_set() or not self._proc.alive:
             raise VMGone(self._reason or f"VM {self.id} is no longer running")
 
     async def connect_qmp(self) -> None:
+        """Connect to the VMM's monitor and wait for its greeting (the socket may be ours,
+        listening before QEMU runs, or QEMU's own in VMs an earlier version started)."""
         sock = self.run_dir / QMP_SOCKET
         deadline = time.monotonic() + SOCKET_WAIT_S
         while True:
-            # The socket file appears when QEMU binds it, a moment before it listens.
             if sock.exists():
                 qmp = QMPClient(f"vm-{self.id}")
-                try:
-                    await qmp.connect(str(sock))
-                except ConnectError:
-                    pass
-                else:
+                connect = asyncio.ensure_future(qmp.connect(str(sock)))
+                exited = asyncio.ensure_future(self._exited.wait())
+                left = max(0.0, deadline - time.monotonic())
+                await asyncio.wait({connect, exited}, timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                exited.cancel()
+                if connect.done() and connect.exception() is None:
                     self._qmp = qmp
                     return
+                connect.cancel()
+                with contextlib.suppress(BaseException):
+                    await connect
+                with contextlib.suppress(Exception):
+                    await qmp.disconnect()
             self._check_alive()
             if time.monotonic() > deadline:
-                raise VMMError(f"QEMU did not open its QMP socket within {SOCKET_WAIT_S}s")
+                raise VMMError(f"QEMU did not answer on its QMP socket within {SOCKET_WAIT_S}s")
             await asyncio.sleep(0.005)
 
     async def _execute(
@@ -161,6 +199,18 @@ class QemuVM(VM):
         except Exception as e:
             self._check_alive()
             raise VMMError(f"QMP {cmd} failed: {e}") from e
+
+    async def _send_fd(self, name: str, path: Path) -> None:
+        """Open `path` for writing and hand QEMU the descriptor as `name` (QMP `getfd`)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            if self._qmp is None:
+                raise VMMError(f"VM {self.id}: no QMP connection")
+            async with self._fd_lock:  # QEMU pairs a descriptor with the next getfd
+                self._qmp.send_fd_scm(fd)
+                await self._execute("getfd", {"fdname": name})
+        finally:
+            os.close(fd)
 
     async def query_status(self, timeout: float = QMP_TIMEOUT_S) -> str:
         """QEMU's run state: running, paused, io-error (stopped on a write error), …"""
@@ -184,12 +234,14 @@ class QemuVM(VM):
 
     def save(self) -> None:
         """Record what a restarted worker needs to adopt this VM."""
-        record = {
+        record: dict[str, Any] = {
             "driver": "qemu",
             "pid": self._proc.pid,
             "accel": self.accel,
             "config": self.config.to_json(),
         }
+        if self.confinement is not None:
+            record["jail"] = self.confinement
         tmp = self.run_dir / (VM_FILE + ".tmp")
         tmp.write_text(json.dumps(record))
         tmp.chmod(0o600)  # holds the agent token
@@ -244,7 +296,9 @@ class QemuVM(VM):
         mapped = self.config.memory_file is not None and self.config.memory_shared
         capabilities = _capabilities(**{"auto-converge": live, IGNORE_SHARED: mapped})
         await self._execute("migrate-set-capabilities", capabilities)
-        await self._execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(state))}"})
+        # QEMU writes the stream to a descriptor we give it: it may open no file, run no program.
+        await self._send_fd("snapshot", state)
+        await self._execute("migrate", {"uri": "fd:snapshot"})
         deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
         force_at = time.monotonic() + LIVE_PRECOPY_S
         stopped_at = None if live else started  # when the guest stopped, if we stopped it
@@ -353,6 +407,7 @@ class QemuDriver(Driver):
         guest_aslr: bool = False,
         free_page_reporting: bool = True,
         mapped_memory: bool = True,
+        jail: Jail | None = None,
     ) -> None:
         if accel not in ("tcg", "kvm"):
             raise ValueError(f"accel must be 'tcg' or 'kvm', not {accel!r}")
@@ -361,6 +416,7 @@ class QemuDriver(Driver):
         self.guest_aslr = guest_aslr
         self.free_page_reporting = free_page_reporting
         self.mapped_memory = mapped_memory
+        self.jail = jail
 
     def _cmdline(self, config: VMConfig) -> str:
         cmdline = config.kernel_cmdline("ttyS0")
@@ -380,6 +436,9 @@ class QemuDriver(Driver):
         return cmdline
 
     def argv(self, config: VMConfig, run_dir: Path) -> list[str]:
+        """QEMU's command line. Every file but the kernel, initramfs and memory file comes as
+        an inherited descriptor (`_launch` lays them out); the paths in `opaque` only say which
+        file each is, and name the run directory for `vmm_pids`."""
         if self.accel == "kvm":
             accel = ["-accel", "kvm", "-cpu", "max"]
         else:
@@ -391,24 +450,29 @@ class QemuDriver(Driver):
             "-M", "microvm,isa-serial=on,rtc=on",
             *accel,
             "-m", str(config.memory_mib),
-            *_memory_backend(config),
+            *_memory_backend(config, self.readonly_private_map),
             "-smp", str(config.vcpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(config.kernel),
             # The command line (with the agent's boot token) in a file of mode 0600, not in
             # argv, which every user of the host can read in /proc.
             "-readconfig", str(run_dir / CONFIG_FILE),
-            "-drive", f"id=root,file={_qemu_path(config.rootfs)},format=raw,if=none,discard=unmap",
+            *_fd_file(DISK_FD, config.rootfs, both=True),
+            "-drive", f"id=root,file=/dev/fdset/{DISK_FD},{DRIVE_OPTIONS},discard=unmap",
             "-device", "virtio-blk-device,drive=root",
             "-device", "virtio-serial-device,max_ports=2",
-            "-chardev", f"socket,id=agent,path={run_dir / AGENT_SOCKET},server=on,wait=off",
+            "-chardev", f"socket,id=agent,fd={AGENT_FD},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME}",
             "-object", "rng-random,id=rng,filename=/dev/urandom",
             "-device", "virtio-rng-device,rng=rng",
-            "-chardev", f"file,id=console,path={run_dir / CONSOLE_LOG}",
+            *_fd_file(CONSOLE_FD, run_dir / CONSOLE_LOG),
+            "-chardev", f"file,id=console,path=/dev/fdset/{CONSOLE_FD}",
             "-serial", "chardev:console",
-            "-qmp", f"unix:{run_dir / QMP_SOCKET},server=on,wait=off",
+            "-chardev", f"socket,id=qmp,fd={QMP_FD},server=on,wait=off",
+            "-mon", "chardev=qmp,mode=control",
         ]  # fmt: skip
+        if self.jail is not None:
+            argv += ["-sandbox", SANDBOX]
         if config.initrd is not None:
             argv += ["-initrd", str(config.initrd)]
         if config.free_page_reporting:
@@ -416,28 +480,35 @@ class QemuDriver(Driver):
             # RAM in a file: `_memory_backend` says why).
             argv += ["-device", "virtio-balloon-device,free-page-reporting=on"]
         for i, drive in enumerate(config.drives):
+            fd = DRIVE_FD + i
             ro = ",readonly=on" if drive.read_only else ""
-            ro += ",file.locking=off" if drive.placeholder else ""
             argv += [
-                "-drive", f"id={DRIVE_ID}{i},file={_qemu_path(drive.path)},format=raw,if=none{ro}",
+                *_fd_file(fd, drive.path, both=not drive.read_only),
+                "-drive", f"id={DRIVE_ID}{i},file=/dev/fdset/{fd},{DRIVE_OPTIONS}{ro}",
                 "-device", f"virtio-blk-device,drive={DRIVE_ID}{i},serial={drive.serial}",
             ]  # fmt: skip
         if config.has_nic:
             mac = config.guest_mac or "02:00:00:00:00:01"
-            tap = (f"fd={TAP_FD}" if config.tap_fd is not None
-                   else f"ifname={config.tap_device},script=no,downscript=no")  # fmt: skip
             argv += [
-                "-netdev", f"tap,id=net0,{tap}",
+                "-netdev", f"tap,id=net0,fd={TAP_FD}",
                 "-device", f"virtio-net-device,netdev=net0,mac={mac}",
             ]  # fmt: skip
         return argv
+
+    @functools.cached_property
+    def readonly_private_map(self) -> bool:
+        return qemu_version(self.binary) >= READONLY_PRIVATE_MAP
+
+    @property
+    def shares_snapshot_memory(self) -> bool:
+        return self.jail is None or self.readonly_private_map
 
     async def _launch(
         self,
         config: VMConfig,
         run_dir: Path,
         extra: list[str],
-        read_files: dict[int, Path] | None = None,
+        state: Path | None = None,
     ) -> QemuVM:
         if shutil.which(self.binary) is None:
             raise VMMError(f"{self.binary} not found: install the qemu-system-x86 package")
@@ -445,15 +516,34 @@ class QemuDriver(Driver):
             if path is not None and not path.exists():
                 raise VMMError(f"{path} does not exist")
         run_dir.mkdir(parents=True, exist_ok=True)
-        for name in (QMP_SOCKET, AGENT_SOCKET):
-            with contextlib.suppress(FileNotFoundError):
-                (run_dir / name).unlink()
+        config = self._private_memory(config, run_dir)
         _write_private(run_dir / CONFIG_FILE, _machine_config(self._cmdline(config)))
-        fds = {TAP_FD: config.tap_fd} if config.tap_fd is not None else {}
-        proc = VMMProcess.spawn(
-            [*self.argv(config, run_dir), *extra], run_dir / QEMU_LOG, read_files, fds
-        )
-        vm = QemuVM(config, run_dir, proc, self.accel)
+        ours: dict[int, int] = {}
+        confinement = None
+        try:
+            ours.update(_open_files(config, run_dir, state))
+            fds = dict(ours)
+            if config.tap_fd is not None:
+                fds[TAP_FD] = config.tap_fd
+            elif config.tap_device is not None:
+                ours[TAP_FD] = fds[TAP_FD] = open_tap_device(config.tap_device)
+            if self.jail is not None:
+                confinement = self._confine(config, run_dir, TAP_FD if TAP_FD in fds else None)
+            proc = VMMProcess.spawn(
+                [*self.argv(config, run_dir), *extra], run_dir / QEMU_LOG, fds, confinement
+            )
+        except BaseException:
+            if confinement is not None and self.jail is not None:
+                self.jail.release(confinement.record())
+            raise
+        finally:
+            for fd in ours.values():
+                os.close(fd)
+        record = None
+        if confinement is not None and self.jail is not None:
+            self.jail.started(confinement, config.vm_id, proc.pid)
+            record = confinement.record()
+        vm = QemuVM(config, run_dir, proc, self.accel, self.jail, record)
         try:
             await vm.connect_qmp()
         except BaseException:
@@ -464,6 +554,52 @@ class QemuDriver(Driver):
             (run_dir / CONFIG_FILE).unlink(missing_ok=True)
         return vm
 
+    def _private_memory(self, config: VMConfig, run_dir: Path) -> VMConfig:
+        """A jailed VMM never gets write access to a file another VM maps: where this QEMU
+        cannot map a snapshot's memory file privately from a read-only descriptor, the VM maps
+        a reflink of its own (sharing the disk's extents, not the page cache)."""
+        if self.shares_snapshot_memory or config.memory_file is None or config.memory_shared:
+            return config
+        own = run_dir / MEMORY_FILE
+        if config.memory_file != own:
+            own.unlink(missing_ok=True)
+            clone_file(config.memory_file, own)
+        return config.with_changes(memory_file=own)
+
+    def _confine(self, config: VMConfig, run_dir: Path, tap_fd: int | None) -> Confinement:
+        assert self.jail is not None
+        exe = shutil.which(self.binary)
+        assert exe is not None
+        read_only = [config.kernel, run_dir / CONFIG_FILE]
+        if config.initrd is not None:
+            read_only.append(config.initrd)
+        writable = []
+        memory = config.memory_file
+        if memory is not None:
+            if config.memory_shared or not self.readonly_private_map:
+                memory.touch(mode=0o600)  # QEMU would make it; in its jail it makes nothing
+                writable.append(memory)
+            else:
+                read_only.append(memory)
+        devices = ["/dev/null", "/dev/zero", "/dev/urandom"]
+        if self.accel == "kvm":
+            devices.append("/dev/kvm")
+        confinement = self.jail.confine(
+            config.vm_id, exe=str(Path(exe).resolve()), vcpus=config.vcpus,
+            memory_mib=config.memory_mib, read_only=read_only, writable=writable,
+            devices=devices, tap_fd=tap_fd,
+        )  # fmt: skip
+        uid = confinement.uid
+        try:
+            for path in (run_dir / CONFIG_FILE, *writable):
+                os.chown(path, uid, uid)
+            for path in read_only:
+                _readable(path)
+        except BaseException:
+            self.jail.release(confinement.record())
+            raise
+        return confinement
+
     async def adopt(self, run_dir: Path) -> QemuVM:
         """Take over a VM a previous worker process started (it is found by its run dir)."""
         try:
@@ -471,8 +607,10 @@ class QemuDriver(Driver):
         except (OSError, ValueError) as e:
             raise VMGone(f"{run_dir} holds no adoptable VM: {e}") from None
         config = VMConfig.from_json(record["config"])
-        proc = VMMProcess.adopt(int(record["pid"]), str(run_dir / QMP_SOCKET))
-        vm = QemuVM(config, run_dir, proc, str(record.get("accel", self.accel)))
+        proc = VMMProcess.adopt(int(record["pid"]), f"{run_dir}/")
+        # VMs an earlier version started run unjailed until their next start.
+        jail = record.get("jail")
+        vm = QemuVM(config, run_dir, proc, str(record.get("accel", self.accel)), self.jail, jail)
         try:
             await vm.connect_qmp()
             status = await vm.query_status()
@@ -520,7 +658,7 @@ class QemuDriver(Driver):
         # QEMU reads the state straight from an inherited descriptor: no `cat`, no pipe. A
         # stream that leaves RAM out is read only once the capability that says so is set.
         incoming = ["-incoming", "defer" if memory else f"fd:{STATE_FD}"]
-        vm = await self._launch(config, run_dir, incoming, read_files={STATE_FD: state})
+        vm = await self._launch(config, run_dir, incoming, state)
         # The incoming migration runs before QEMU starts the vCPUs. The snapshot was taken of a
         # paused VM, so once loaded it is paused too, and we start it.
         try:
@@ -549,7 +687,7 @@ class QemuDriver(Driver):
         return vm
 
 
-def _memory_backend(config: VMConfig) -> list[str]:
+def _memory_backend(config: VMConfig, readonly_private_map: bool) -> list[str]:
     if config.memory_file is None:
         return []
     if config.free_page_reporting:
@@ -559,6 +697,8 @@ def _memory_backend(config: VMConfig) -> list[str]:
     share = "on" if config.memory_shared else "off"
     backend = (f"memory-backend-file,id={RAM_ID},size={config.memory_mib}M,"
                f"mem-path={_qemu_path(config.memory_file)},share={share}")  # fmt: skip
+    if not config.memory_shared and readonly_private_map:
+        backend += ",readonly=on,rom=off"
     return ["-object", backend, "-machine", f"memory-backend={RAM_ID}"]
 
 
@@ -601,6 +741,73 @@ def _machine_config(cmdline: str) -> str:
     if '"' in cmdline or len(cmdline) > 1023:
         raise VMMError(f"kernel command line unusable in a QEMU config file: {cmdline[:80]}…")
     return f'[machine]\n  append = "{cmdline}"\n'
+
+
+@functools.cache
+def qemu_version(binary: str) -> tuple[int, int]:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+        major, minor = out.stdout.split("version ", 1)[1].split(".")[:2]
+        return int(major), int(minor)
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        return (0, 0)
+
+
+def _fd_file(fd: int, path: Path, both: bool = False) -> list[str]:
+    """Descriptor `fd` as QEMU's /dev/fdset/`fd` (with `both`, its read-only twin too)."""
+    argv = ["-add-fd", f"fd={fd},set={fd},opaque={_qemu_path(path)}"]
+    if both:
+        argv += ["-add-fd", f"fd={fd + READ_FD_OFFSET},set={fd},opaque={_qemu_path(path)}"]
+    return argv
+
+
+def _open_files(config: VMConfig, run_dir: Path, state: Path | None) -> dict[int, int]:
+    """The descriptors QEMU is given, child fd: ours; closed by the caller."""
+    fds: dict[int, int] = {}
+    try:
+        if state is not None:
+            fds[STATE_FD] = os.open(state, os.O_RDONLY | os.O_CLOEXEC)
+        fds[QMP_FD] = _listen(run_dir / QMP_SOCKET)
+        fds[AGENT_FD] = _listen(run_dir / AGENT_SOCKET)
+        console = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        fds[CONSOLE_FD] = os.open(run_dir / CONSOLE_LOG, console, 0o600)
+        fds[DISK_FD] = os.open(config.rootfs, os.O_RDWR | os.O_CLOEXEC)
+        fds[DISK_FD + READ_FD_OFFSET] = os.open(config.rootfs, os.O_RDONLY | os.O_CLOEXEC)
+        for i, drive in enumerate(config.drives):
+            if drive.placeholder:
+                # An empty slot of its own: nothing another VM opens.
+                path, mode = run_dir / f"slot{i}", os.O_RDWR | os.O_CREAT | os.O_TRUNC
+            else:
+                path, mode = drive.path, os.O_RDONLY if drive.read_only else os.O_RDWR
+            fds[DRIVE_FD + i] = os.open(path, mode | os.O_CLOEXEC, 0o600)
+            if not drive.read_only:
+                fds[DRIVE_FD + i + READ_FD_OFFSET] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
+def _listen(path: Path) -> int:
+    """A listening unix socket at `path` (replacing a stale one), for QEMU to accept on."""
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        sock.listen(8)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
+
+
+def _readable(path: Path) -> None:
+    """A file the jailed VMM reads by path must be readable by any uid (its directories on the
+    host need not be: inside the jail they are the jail's own)."""
+    mode = path.stat().st_mode
+    if mode & stat.S_IROTH == 0:
+        path.chmod(mode | stat.S_IROTH)
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -1,0 +1,97 @@
+"""Jails for VMMs: an unprivileged uid of each VM's own, no capabilities, `no_new_privs`, a mount
+namespace whose root holds only that VM's files, its sandbox's network namespace, a cgroup of
+its own and the VMM's seccomp filter (`launch.py` does it, between fork and exec).
+
+`Jail.confine` leases the uid and makes the cgroup for one VMM and says how to launch it;
+`Jail.release` gives both back once the VMM is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from space.settings import JailSettings
+from space.worker.vmm.jail import launch
+from space.worker.vmm.jail.cgroups import CgroupError, Cgroups, Limits
+from space.worker.vmm.jail.launch import JailSpec
+from space.worker.vmm.jail.uids import UidRange
+
+log = logging.getLogger(__name__)
+
+ROOT_MOUNTPOINT = Path("/run/space/jail")
+LAUNCHER = Path(launch.__file__)
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """One VMM's jail: what launches it, and what is given back when it is gone."""
+
+    uid: int
+    cgroup: str
+    spec: JailSpec
+
+    def command(self, argv: list[str]) -> list[str]:
+        """The command line that starts `argv` in this jail."""
+        return [sys.executable, "-E", "-s", "-S", str(LAUNCHER), self.spec.to_json(), *argv]
+
+    def record(self) -> dict[str, Any]:
+        return {"uid": self.uid, "cgroup": self.cgroup}
+
+
+class Jail:
+    def __init__(self, settings: JailSettings, cgroups: Cgroups | None = None) -> None:
+        self.settings = settings
+        self.uids = UidRange(settings.uid_base, settings.uid_count)
+        self.cgroups = cgroups or Cgroups()
+        ROOT_MOUNTPOINT.mkdir(parents=True, exist_ok=True)
+        self.cgroups.sweep()
+
+    def limits(self, vcpus: int, memory_mib: int) -> Limits:
+        s = self.settings
+        return Limits(
+            memory_bytes=(memory_mib + s.memory_overhead_mib) << 20,
+            pids=s.pids,
+            cpus=vcpus + s.extra_cpus,
+            weight=100 * vcpus,
+        )
+
+    def confine(
+        self,
+        vm_id: str,
+        *,
+        exe: str,
+        vcpus: int,
+        memory_mib: int,
+        read_only: list[Path],
+        writable: list[Path],
+        devices: list[str],
+        tap_fd: int | None,
+    ) -> Confinement:
+        uid = self.uids.lease(vm_id)
+        name = f"vm-{vm_id}-{secrets.token_hex(3)}"
+        try:
+            procs = self.cgroups.create(name, self.limits(vcpus, memory_mib))
+        except CgroupError:
+            self.uids.release(uid)
+            raise
+        extra = [] if exe.startswith("/usr/") else [exe]
+        spec = JailSpec(
+            uid=uid, gid=uid, root=str(ROOT_MOUNTPOINT), exe=exe, tap_fd=tap_fd, cgroups=procs,
+            read_only=[str(p) for p in (*read_only, *map(Path, extra))],
+            writable=[str(p) for p in writable], devices=devices,
+        )  # fmt: skip
+        return Confinement(uid, name, spec)
+
+    def started(self, confinement: Confinement, vm_id: str, pid: int) -> None:
+        self.uids.started(confinement.uid, vm_id, pid)
+
+    def release(self, record: dict[str, Any]) -> None:
+        """Give back the uid and cgroup of a VMM that is gone (`record` is `Confinement.record`)."""
+        if not self.cgroups.remove(str(record["cgroup"])):
+            log.warning("cgroup %s of a VMM still holds processes", record["cgroup"])
+        self.uids.release(int(record["uid"]))
