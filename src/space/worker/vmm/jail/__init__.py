@@ -20,6 +20,7 @@ from space.worker.vmm.jail import launch
 from space.worker.vmm.jail.cgroups import CgroupError, Cgroups, Limits
 from space.worker.vmm.jail.launch import JailSpec
 from space.worker.vmm.jail.uids import UidRange
+from space.worker.vmm.process import VMM_NICE
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Jail:
         spec = JailSpec(
             uid=uid, gid=uid, root=str(ROOT_MOUNTPOINT), exe=exe, tap_fd=tap_fd, cgroups=procs,
             read_only=[str(p) for p in (*read_only, *map(Path, extra))],
-            writable=[str(p) for p in writable], devices=devices,
+            writable=[str(p) for p in writable], devices=devices, nice=VMM_NICE,
         )  # fmt: skip
         return Confinement(uid, name, spec)
 

@@ -78,7 +78,7 @@ class JailSpec:
     read_only: list[str] = field(default_factory=list)
     writable: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=lambda: ["/dev/null", "/dev/zero", "/dev/urandom"])
-    nice: int = 10
+    nice: int = 0  # added to the VMM's nice value
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -65,7 +65,7 @@ class UidRange:
             lines = path.read_text().split()
         except OSError:
             return False
-        if len(lines) >= 2 and _runs_as(int(lines[1]), uid):
+        if len(lines) >= 2 and lines[1].isdigit() and _runs_as(int(lines[1]), uid):
             return False
         return time.time() - made > STALE_S
 
