@@ -30,7 +30,6 @@ from space.worker.sandboxes.capacity import FULL_MIB
 from space.worker.sandboxes.records import SANDBOX_FILE, UNREADABLE, SandboxVM
 from space.worker.vmm.base import VMMError, VMState
 from space.worker.vmm.process import VMMProcess, vmm_pids
-from space.worker.vmm.qemu import QMP_SOCKET
 
 if TYPE_CHECKING:
     from space.worker.sandboxes.manager import VMManager
@@ -125,7 +124,7 @@ async def kill_leftover(directory: Path) -> None:
     """Kill whatever VMM still runs from `directory` (a run dir), then remove the directory."""
     for pid in vmm_pids(directory):
         try:
-            proc = VMMProcess.adopt(pid, str(directory / QMP_SOCKET))
+            proc = VMMProcess.adopt(pid, f"{directory}/")
         except VMMError:
             continue  # gone meanwhile
         proc.kill()
