@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -83,3 +85,36 @@ def _rebooted(c: httpx.Client, sid: str) -> bool:
         return False
     events = c.get(f"/v1/sandboxes/{sid}/events").json()["items"]
     return any(e["to_state"] == "starting" and "again" in (e["reason"] or "") for e in events)
+
+
+def test_a_delete_wins_over_a_suspend_of_a_frozen_vmm(platform: Platform) -> None:
+    """A suspend in flight on a VMM that stopped answering (SIGSTOP) never holds its sandbox's
+    delete: the worker kills that VMM, which fails the suspend, and removes everything."""
+    with platform.client() as c:
+        sid = create(c)["id"]
+        run(c, sid, "echo x > /root/x")
+        vmm = vmm_of(platform, sid)
+        run_dir = POOL / "workers" / platform.worker_id / "vms" / sid
+        os.kill(vmm, signal.SIGSTOP)
+        suspend = threading.Thread(target=_suspend, args=(platform, sid), daemon=True)
+        try:
+            suspend.start()
+            until(lambda: state(c, sid)["state"] == "suspending", 10)
+            time.sleep(1)  # the worker is in the suspend, waiting on the frozen VMM
+            started = time.monotonic()
+            r = c.delete(f"/v1/sandboxes/{sid}", timeout=60)
+            assert r.status_code == 200 and r.json()["state"] == "deleted", r.text
+            record("delete while a suspend waits on a frozen VMM (SIGSTOP)",
+                   "deleted: its VMM killed, its files gone", 15.0,
+                   time.monotonic() - started)  # fmt: skip
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vmm, signal.SIGCONT)
+        suspend.join(60)
+        assert not vmm_pids(run_dir) and not run_dir.exists()
+        assert not (POOL / "workers" / platform.worker_id / "suspended" / sid).exists()
+
+
+def _suspend(platform: Platform, sid: str) -> None:
+    with platform.client() as c, contextlib.suppress(httpx.HTTPError):
+        c.post(f"/v1/sandboxes/{sid}/suspend", timeout=120)

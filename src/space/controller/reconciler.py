@@ -71,6 +71,7 @@ class Reconciler:
         self.leadership = leadership
         self.settings = settings
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._deleting: dict[str, asyncio.Task[None]] = {}  # deletes beside a step in flight
         self._placement = asyncio.Lock()
         self.moves = Moves(store, workers, sealer, leadership.check, self._placement)
         self._lost: LostLeadership | None = None
@@ -96,11 +97,18 @@ class Reconciler:
                         task = asyncio.ensure_future(self._drive(sid))
                         self._inflight[sid] = task
                         task.add_done_callback(partial(self._done, sid))
+                    elif row["desired_state"] == "deleted" and sid not in self._deleting:
+                        # A delete never waits behind a step in flight (a suspend of a VMM that
+                        # stopped answering): it goes to the worker at once, which ends that
+                        # step; the step's own writes then find the row moved on.
+                        task = asyncio.ensure_future(self._drive(sid))
+                        self._deleting[sid] = task
+                        task.add_done_callback(partial(self._deleted, sid))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), RESCAN_S)
         finally:
             self.listener.unsubscribe(wake)
-            for task in list(self._inflight.values()):
+            for task in [*self._inflight.values(), *self._deleting.values()]:
                 task.cancel()
 
     def _stop(self, e: LostLeadership) -> None:
@@ -109,6 +117,9 @@ class Reconciler:
 
     def _done(self, sid: str, _task: asyncio.Task[None]) -> None:
         self._inflight.pop(sid, None)
+
+    def _deleted(self, sid: str, _task: asyncio.Task[None]) -> None:
+        self._deleting.pop(sid, None)
 
     async def _drive(self, sid: str) -> None:
         try:

@@ -47,7 +47,7 @@ from space.worker.sandboxes.records import (
     SandboxVM,
     VolumeMount,
 )
-from space.worker.sandboxes.snapshots import BaseSnapshots, KeyedLock
+from space.worker.sandboxes.snapshots import BaseSnapshots, KeyedLock, TakeOver
 from space.worker.sandboxes.volumes import Volumes, check_volumes
 from space.worker.storage.pool import Pool
 from space.worker.templates import TemplateRecord, latest_templates, remove_template
@@ -57,6 +57,11 @@ from space.worker.vmm.base import Drive, Driver, VMMError, VMStateError
 log = logging.getLogger(__name__)
 
 RECONNECT_TIMEOUT_S = 10.0
+# A delete waits this long for an operation in flight on its VM, then kills the VMM; the
+# operation is cancelled if it still holds on at DELETE_TAKEOVER_S.
+DELETE_GRACE_S = 2.0
+DELETE_TAKEOVER_S = 6.0
+RELEASE_S = 5.0  # for a guest to sync and unmount its volumes before its VM ends
 
 
 @dataclass(frozen=True)
@@ -503,13 +508,30 @@ class VMManager:
     async def delete(self, vm_id: str) -> bool:
         """Stop the VM and remove its disk, snapshot, checkpoints and files; False if there was
         nothing.
-        Its volumes are synced and unmounted first, so what was written to them stays."""
+        Its volumes are synced and unmounted first, so what was written to them stays.
+
+        A delete never waits long for another operation on the VM (a suspend of a VMM that
+        stopped answering, a guest that never answers): after DELETE_GRACE_S its VMM is killed,
+        which fails that operation at once, and after DELETE_TAKEOVER_S it is cancelled."""
         _check_id(vm_id)
-        async with self.locks.hold(vm_id):
+
+        async def end_vmm() -> None:
+            sb = self._vms.get(vm_id)
+            if sb is not None and sb.machine is not None:
+                await sb.machine.vm.kill()
+
+        take_over = TakeOver(DELETE_GRACE_S, DELETE_TAKEOVER_S, end_vmm)
+        async with self.locks.hold(vm_id, take_over):
             sb = self._vms.pop(vm_id, None)
             if sb is not None and sb.machine is not None:
                 if sb.spec.volumes and sb.state in ("running", "paused"):
-                    await guest.release_volumes(sb.machine, sb.spec.volumes)
+                    try:
+                        await asyncio.wait_for(
+                            guest.release_volumes(sb.machine, sb.spec.volumes), RELEASE_S
+                        )
+                    except TimeoutError:
+                        log.warning("VM %s: its volumes were not released within %.0f s; "
+                                    "ending it all the same", vm_id, RELEASE_S)  # fmt: skip
                 with contextlib.suppress(AgentError):
                     await sb.machine.agent.close()
                 await sb.machine.vm.close()

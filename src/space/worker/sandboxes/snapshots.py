@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,25 +63,64 @@ PULL_S = 120.0  # on the way of a create: a registry slower than this, and it is
 NetworkFor = Callable[[str, Policy], AbstractAsyncContextManager[int | None]]
 
 
+@dataclass(frozen=True)
+class TakeOver:
+    """How a caller that must not wait gets a key's lock from its holder: after `grace` s,
+    `interrupt()` (which makes the holder's calls fail at once, e.g. by ending its VMM); after
+    `bound` s in all, the holder's task is cancelled."""
+
+    grace: float
+    bound: float
+    interrupt: Callable[[], Awaitable[None]]
+
+
 class KeyedLock:
     """One asyncio.Lock per key, dropped once nobody holds or waits for it."""
 
     def __init__(self) -> None:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._holders: dict[str, asyncio.Task[Any]] = {}
 
     @contextlib.asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[None]:
+    async def hold(self, key: str, take_over: TakeOver | None = None) -> AsyncIterator[None]:
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         try:
-            async with lock:
+            if take_over is None:
+                await lock.acquire()
+            else:
+                await self._take_over(key, lock, take_over)
+            if task := asyncio.current_task():
+                self._holders[key] = task
+            try:
                 yield
+            finally:
+                self._holders.pop(key, None)
+                lock.release()
         finally:
             lock, users = self._locks[key]
             if users == 1:
                 del self._locks[key]
             else:
                 self._locks[key] = (lock, users - 1)
+
+    async def _take_over(self, key: str, lock: asyncio.Lock, how: TakeOver) -> None:
+        acquired = asyncio.ensure_future(lock.acquire())
+        try:
+            done, _ = await asyncio.wait({acquired}, timeout=how.grace)
+            if not done:
+                log.warning("%s: its holder kept it %.0f s; interrupting it", key, how.grace)
+                await how.interrupt()
+                done, _ = await asyncio.wait({acquired}, timeout=how.bound - how.grace)
+            if not done and (holder := self._holders.get(key)) is not None:
+                log.warning("%s: its holder kept it %.0f s; cancelling it", key, how.bound)
+                holder.cancel()
+            await acquired
+        except BaseException:
+            if acquired.done() and not acquired.cancelled() and acquired.exception() is None:
+                lock.release()
+            acquired.cancel()
+            raise
 
 
 class BaseSnapshots:
