@@ -118,3 +118,40 @@ def test_a_delete_wins_over_a_suspend_of_a_frozen_vmm(platform: Platform) -> Non
 def _suspend(platform: Platform, sid: str) -> None:
     with platform.client() as c, contextlib.suppress(httpx.HTTPError):
         c.post(f"/v1/sandboxes/{sid}/suspend", timeout=120)
+
+
+def test_a_suspend_of_a_frozen_vmm_fails_in_time_and_leaves_it_whole(platform: Platform) -> None:
+    """A suspend of a VMM that stopped answering fails within its bound, with the reason; the
+    sandbox is never half-suspended, and once the VMM runs again so does the sandbox, with its
+    files and processes."""
+    with platform.client() as c:
+        sid = create(c)["id"]
+        run(c, sid, "echo kept > /root/kept")
+        pid = start_counter(c, sid)
+        vmm = vmm_of(platform, sid)
+        os.kill(vmm, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            c.post(f"/v1/sandboxes/{sid}/suspend", timeout=120)
+            until(lambda: state(c, sid)["state"] not in ("running", "suspending"), 60)
+            record("suspend of a frozen VMM (SIGSTOP)", "fails with the reason, not half-done",
+                   20.0, time.monotonic() - started)  # fmt: skip
+            sb = state(c, sid)
+            assert sb["state"] in ("running", "error"), sb
+            assert sb["reason"], sb
+            assert not (POOL / "workers" / platform.worker_id / "suspended" / sid).exists()
+            for verb, path in (("checkpoint", "checkpoints"), ("pause", "pause")):
+                started = time.monotonic()
+                r = c.post(f"/v1/sandboxes/{sid}/{path}", json={}, timeout=120)
+                until(lambda: state(c, sid)["state"] not in ("pausing",), 60)
+                record(f"{verb} of a frozen VMM (SIGSTOP)", "refused or failed, with the reason",
+                       15.0, time.monotonic() - started)  # fmt: skip
+                assert r.status_code >= 400 or state(c, sid)["reason"], r.text
+                assert state(c, sid)["state"] in ("running", "error")
+        finally:
+            os.kill(vmm, signal.SIGCONT)
+        until(lambda: state(c, sid)["state"] == "running", 30)
+        assert vmm_of(platform, sid) == vmm
+        assert run(c, sid, "cat /root/kept")[0] == b"kept\n"
+        assert counter_runs(c, sid, pid)
+        c.delete(f"/v1/sandboxes/{sid}")

@@ -37,6 +37,8 @@ from space.worker.vmm.base import (
 log = logging.getLogger(__name__)
 
 DISK = "disk.img"
+ANSWER_S = 3.0  # for a VMM to answer before a snapshot is taken of it
+SNAPSHOT_SYNC_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -302,12 +304,23 @@ class Machine:
         A paused guest cannot run `sync`, and needs none: its unwritten pages are in the memory
         image, and the disk is saved as it was at the moment it paused.
         """
+        await self.quiesce()
+        return await self.vm.snapshot(dest)
+
+    async def quiesce(self) -> None:
+        """Before a snapshot: a VMM that does not answer fails it at once, with the reason,
+        before anything is stopped or written (the VM stays as it was); a running guest's file
+        systems are flushed by its agent, within a short deadline: a guest that hangs must not
+        hold the snapshot (and the sandbox's lock), and its unwritten pages are in the memory
+        image either way."""
+        await self.vm.answering(ANSWER_S)
         running = self.status().state == VMState.RUNNING and self.io_error is None
         if self.agent.connected and running:
-            # The agent's own sync(2), within its deadline: a guest that hangs must not hold the
-            # snapshot (and the sandbox's lock) for longer.
-            await self.agent.sync()
-        return await self.vm.snapshot(dest)
+            try:
+                await self.agent.sync(deadline=SNAPSHOT_SYNC_S)
+            except AgentError as e:
+                log.warning("VM %s: no sync before its snapshot (%s); taken all the same",
+                            self.id, e)  # fmt: skip
 
     async def detach(self) -> None:
         """Let go of the VM but leave it running, for a later worker process to adopt."""

@@ -82,7 +82,7 @@ async def take(manager: VMManager, sb: SandboxVM, checkpoint_id: str) -> Taken:
 async def snapshot_running(machine: Machine, dest: Path) -> tuple[SnapshotInfo, float]:
     """Snapshot a running VM into `dest`, live (its memory copied while it runs), and let it
     run again; how long it was stopped (ms). Its file systems are synced first."""
-    await machine.agent.sync()
+    await machine.quiesce()
     try:
         snap = await machine.vm.snapshot_live(dest)
         returned = time.perf_counter()

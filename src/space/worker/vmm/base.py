@@ -35,6 +35,10 @@ class VMGone(VMMError):
     """The VMM process has exited; the VM cannot be used any more."""
 
 
+class VMMUnresponsive(VMMError, TimeoutError):
+    """The VMM did not answer within its deadline; it may yet."""
+
+
 class VMState(enum.StrEnum):
     STARTING = "starting"
     RUNNING = "running"
@@ -249,6 +253,12 @@ class VM(abc.ABC):
     async def detach(self) -> None:
         """Let go of the VM, leaving it running for another process to adopt."""
         raise VMMError(f"{type(self).__name__} cannot hand its VM over")
+
+    async def answering(self, timeout: float) -> None:
+        """Return once the VMM has answered a question about its state, within `timeout`;
+        VMMUnresponsive if it did not (frozen, stopped by a signal, wedged)."""
+        if self.status().state not in (VMState.RUNNING, VMState.PAUSED, VMState.STARTING):
+            raise VMGone(f"VM {self.id} is {self.status().state}")
 
     async def continue_after_io_error(self) -> None:
         """Run a guest the VMM stopped on a write error (e.g. a full disk) again."""

@@ -37,6 +37,7 @@ from space.worker.vmm.base import (
     VMConfig,
     VMGone,
     VMMError,
+    VMMUnresponsive,
     VMState,
     VMStateError,
     VMStatus,
@@ -195,7 +196,7 @@ class QemuVM(VM):
         try:
             return await asyncio.wait_for(self._qmp.execute(cmd, args), timeout)
         except TimeoutError:
-            raise
+            raise VMMUnresponsive(f"its VMM did not answer {cmd} within {timeout:.0f} s") from None
         except Exception as e:
             self._check_alive()
             raise VMMError(f"QMP {cmd} failed: {e}") from e
@@ -211,6 +212,9 @@ class QemuVM(VM):
                 await self._execute("getfd", {"fdname": name})
         finally:
             os.close(fd)
+
+    async def answering(self, timeout: float) -> None:
+        await self.query_status(timeout)
 
     async def query_status(self, timeout: float = QMP_TIMEOUT_S) -> str:
         """QEMU's run state: running, paused, io-error (stopped on a write error), …"""
