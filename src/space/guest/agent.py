@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from . import files, storage, system, tcp, trust, watch
+from . import files, reserve, storage, system, tcp, trust, watch
 from . import protocol as p
 from .common import Json, OpError, log, str_arg
 from .process_table import ProcessOps, ProcessTable
@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     kargs = system.kernel_args() if in_vm else {}
     if in_vm:
         system.init_system(kargs)
+        reserve.set_up()
     if args.token_file:
         token = Path(args.token_file).read_text().strip()
     else:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import protocol as p
+from . import reserve
 from .common import Json, OpError, os_error, str_arg
 from .system import DEFAULT_PATH
 
@@ -154,32 +155,9 @@ def spawn(req: Json) -> Spawned:
             stdio = (stdin_fd, out_w, err_w)
             pumps = [(out_r, p.FrameType.STDOUT), (err_r, p.FrameType.STDERR)]
             preexec = None
-        proc = None
         try:
-            same_path = env.get("PATH") == os.environ.get("PATH")  # posix_spawnp looks in ours
-            if preexec is None and not user_kw and same_path and os.path.samefile(cwd, "."):
-                # The common case in one C call: far less Python to run (and, under
-                # emulation, to translate) than subprocess.Popen.
-                pid = os.posix_spawnp(
-                    argv[0],
-                    argv,
-                    env,
-                    file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(stdio)],
-                    setsid=True,
-                )
-            else:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=stdio[0],
-                    stdout=stdio[1],
-                    stderr=stdio[2],
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=preexec,
-                    **user_kw,
-                )
-                pid = proc.pid
+            with reserve.tenant():
+                pid, proc = _start(argv, env, cwd, stdio, preexec, user_kw)
         except OSError as e:
             for fd, _ in pumps:
                 os.close(fd)
@@ -194,6 +172,34 @@ def spawn(req: Json) -> Spawned:
     if master is not None:
         stdin = FdWriter(os.dup(master))
     return Spawned(pid, pumps, stdin, master, proc)
+
+
+def _start(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    stdio: tuple[int, int, int],
+    preexec: Callable[[], None] | None,
+    user_kw: dict[str, Any],
+) -> tuple[int, subprocess.Popen[bytes] | None]:
+    same_path = env.get("PATH") == os.environ.get("PATH")  # posix_spawnp looks in ours
+    if preexec is None and not user_kw and same_path and os.path.samefile(cwd, "."):
+        # The common case in one C call: far less Python to run (and, under emulation, to
+        # translate) than subprocess.Popen.
+        actions = [(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(stdio)]
+        return os.posix_spawnp(argv[0], argv, env, file_actions=actions, setsid=True), None
+    proc = subprocess.Popen(
+        argv,
+        stdin=stdio[0],
+        stdout=stdio[1],
+        stderr=stdio[2],
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        preexec_fn=preexec,
+        **user_kw,
+    )
+    return proc.pid, proc
 
 
 def set_winsize(fd: int, rows: int, cols: int) -> None:
