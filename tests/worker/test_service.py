@@ -663,3 +663,27 @@ async def test_nothing_is_left_behind(worker: Worker, vm: str) -> None:
         worker.manager.layout.building,
     ):
         assert list(d.iterdir()) == []
+
+
+async def test_a_snapshot_that_cannot_restore_never_replaces_a_live_vm(worker: Worker) -> None:
+    """A `suspended/<id>/` holding only sandbox.json beside the running VM (a disk error, an
+    operator's copy): the restarted worker keeps the VM, and sets the snapshot aside, kept."""
+    assert (await worker.http.put("/vms/alive", json={})).status_code == 200
+    await worker.run("alive", "echo mine > /root/mine && sync")
+    pids = worker.pids()
+    broken = worker.manager.layout.suspended / "alive"
+    broken.mkdir()
+    shutil.copy(worker.manager.layout.vms / "alive" / "sandbox.json", broken / "sandbox.json")
+    await worker.stop(stop_vms=False)
+    await worker.start()
+    states = {v["id"]: v["state"] for v in (await worker.http.get("/health")).json()["vms"]}
+    assert states["alive"] == "running"
+    assert worker.pids() == pids, "the live VM was not killed"
+    assert await worker.run("alive", "cat /root/mine") == "mine\n"
+    assert not broken.exists()
+    (aside,) = worker.manager.layout.suspended.glob(".unrestorable-alive.*")
+    assert (aside / "sandbox.json").exists()
+    await worker.stop(stop_vms=False)
+    await worker.start()  # and it stays set aside across another restart
+    assert (aside / "sandbox.json").exists()
+    assert (await worker.http.delete("/vms/alive")).status_code == 204

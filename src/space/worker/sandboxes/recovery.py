@@ -49,6 +49,17 @@ async def adopt_all(manager: VMManager) -> None:
         await kill_leftover(run_dir)  # a base snapshot's VM: its build died with the worker
     suspension.clean(layout.suspended)
     suspended = {p.name for p in layout.suspended.iterdir() if (p / SANDBOX_FILE).exists()}
+    for vm_id in sorted(suspended):
+        # A snapshot that could not restore never replaces a VM that still runs (a disk error
+        # or an operator's copy can leave one beside it): it is set aside, never deleted.
+        problem = suspension.unrestorable(layout.suspended / vm_id)
+        if problem and vmm_pids(layout.vms / vm_id):
+            aside = suspension.set_aside(layout.suspended / vm_id)
+            log.error(
+                "VM %s: its suspended snapshot cannot restore (%s) while the VM still runs: "
+                "the VM is kept, the snapshot moved to %s", vm_id, problem, aside,
+            )  # fmt: skip
+            suspended.discard(vm_id)
     for run_dir in sorted(layout.vms.iterdir()):
         vm_id = run_dir.name
         if vm_id.startswith(".") or vm_id in suspended or not (run_dir / SANDBOX_FILE).exists():

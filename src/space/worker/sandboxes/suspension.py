@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONSUMED = ".consumed-"
+UNRESTORABLE = ".unrestorable-"
 
 
 async def suspend(manager: VMManager, sb: SandboxVM) -> SandboxVM:
@@ -67,6 +68,27 @@ async def suspend(manager: VMManager, sb: SandboxVM) -> SandboxVM:
     # again before the resume, so a worker holds secrets only of sandboxes that run there.
     await manager.detach(sb.id)
     return sb
+
+
+def unrestorable(snap_dir: Path) -> str | None:
+    """Why the snapshot in `snap_dir` cannot be restored, or None if it looks whole: its
+    manifest reads and every file it names is there."""
+    try:
+        snap = SnapshotInfo.load(snap_dir)
+    except (VMMError, OSError, ValueError, KeyError, TypeError) as e:
+        return str(e) or type(e).__name__
+    for role in ("state", "disk"):
+        if role not in snap.files:
+            return f"its manifest names no {role} file"
+    missing = [name for name in snap.files.values() if not (snap_dir / name).is_file()]
+    return f"{', '.join(missing)} missing" if missing else None
+
+
+def set_aside(snap_dir: Path) -> Path:
+    """Move a snapshot out of the way, kept for an operator: `suspended/.unrestorable-…`."""
+    aside = snap_dir.parent / f"{UNRESTORABLE}{snap_dir.name}.{uuid.uuid4().hex[:8]}"
+    rename_durable(snap_dir, aside)
+    return aside
 
 
 async def resume(manager: VMManager, sb: SandboxVM) -> SandboxVM:
@@ -123,6 +145,8 @@ async def resume(manager: VMManager, sb: SandboxVM) -> SandboxVM:
 
 
 def clean(suspended: Path) -> None:
-    """Half-written snapshots and consumed ones a previous process left."""
+    """Half-written snapshots and consumed ones a previous process left (never one set aside
+    for an operator)."""
     for tmp in suspended.glob(".*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.name.startswith(UNRESTORABLE):
+            shutil.rmtree(tmp, ignore_errors=True)
