@@ -28,7 +28,7 @@ from space.controller.placement import Need, holding, pick_worker, why_not
 from space.controller.pools import Pools
 from space.db.listen import Listener
 from space.db.sealing import Sealer, SealError
-from space.db.store import Refused, Row, Store
+from space.db.store import NotFound, Refused, Row, Store
 from space.netpolicy import placeholder_env, policy_for
 from space.settings import ControllerSettings
 from space.worker.api.client import Worker, WorkerClient, WorkerError
@@ -262,6 +262,8 @@ class Reconciler:
         except WorkerError as e:
             if e.status in (0, 412, 503):
                 raise  # unreachable, not the leader any more, or not now: retried
+            if e.code == "volume_in_use" and await self._reap_holders(row, worker, e.holders):
+                return False  # tried again at the next scan, once the holders are gone
             await self._to(row, ["starting"], "error", reason=e.detail)
             return False
         log.info("sandbox %s running on worker %s (%s, %.0f ms there)", row["id"], worker.id,
@@ -275,6 +277,33 @@ class Reconciler:
         if done is not None and row["pool"] and row["boot"] is None:
             self.pools.refilled(done)
         return done is not None
+
+    async def _reap_holders(self, row: Row, worker: Worker, holders: list[str]) -> bool:
+        """A volume the database gave this sandbox is still held on its worker by VMs the
+        database wants gone (deleted while that worker was away): have the worker end them, and
+        let the sandbox wait, saying why. False if a holder is one the database still wants:
+        then two writers would be asked for, and the sandbox fails."""
+        if not holders:
+            return False
+        for holder in holders:
+            try:
+                other = await self.store.get_sandbox(holder)
+            except NotFound:
+                continue  # not the database's at all: the worker holds what nobody wants
+            if other["desired_state"] != "deleted":
+                return False
+        reason = (f"waiting for its volumes: still attached on worker {worker.id} to "
+                  f"{', '.join(holders)}, which are being removed")  # fmt: skip
+        if row["reason"] != reason:
+            await self._to(row, ["starting"], "starting", reason=reason)
+        for holder in holders:
+            try:
+                await self.workers.delete_vm(worker, holder)
+            except WorkerError as e:
+                if e.status != 404:
+                    log.warning("sandbox %s: %s not removed from %s: %s", row["id"], holder,
+                                worker.id, e)  # fmt: skip
+        return True
 
     async def _push_network(self, row: Row, worker: Worker | None = None) -> None:
         """Put the sandbox's current egress policy in force on its worker."""

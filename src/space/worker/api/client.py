@@ -76,13 +76,19 @@ class WorkerError(Exception):
     answer in time; `timed_out` says which), `code` its problem code if it sent one."""
 
     def __init__(
-        self, status: int, detail: str, code: str | None = None, timed_out: bool = False
+        self,
+        status: int,
+        detail: str,
+        code: str | None = None,
+        timed_out: bool = False,
+        holders: list[str] | None = None,
     ) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
         self.code = code
         self.timed_out = timed_out
+        self.holders = holders or []  # with code volume_in_use: the VMs holding it there
 
 
 @dataclass(frozen=True)
@@ -100,14 +106,15 @@ class Worker:
 
 
 def _problem(status: int, raw: bytes) -> WorkerError:
-    code = None
+    code, holders = None, []
     try:
         body = json.loads(raw)
         detail = str(body.get("detail") or body.get("title") or body)
         code = body.get("code")
-    except (ValueError, AttributeError):
+        holders = [h for h in body.get("holders") or [] if isinstance(h, str)][:64]
+    except (ValueError, AttributeError, TypeError):
         detail = raw[:500].decode(errors="replace")
-    return WorkerError(status, detail, code if isinstance(code, str) else None)
+    return WorkerError(status, detail, code if isinstance(code, str) else None, holders=holders)
 
 
 def _transport_error(url: str, e: httpx.TransportError) -> WorkerError:

@@ -48,6 +48,8 @@ def as_problem(e: Exception) -> Problem:
     """What one of our errors means to a caller of the API."""
     if isinstance(e, Problem):
         return e
+    if isinstance(e, VolumeInUse):
+        return Problem(409, str(e), code="volume_in_use", holders=e.holders)
     if isinstance(e, VMManagerError):
         status = next(s for cls, s in MANAGER_STATUS.items() if isinstance(e, cls))
         return Problem(status, str(e), state=getattr(e, "state", None))

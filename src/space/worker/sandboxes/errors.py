@@ -34,6 +34,10 @@ class NoRoom(VMManagerError):
 class VolumeInUse(VMManagerError):
     """A volume some VM on this worker still has attached (one writer, or only readers)."""
 
+    def __init__(self, message: str, holders: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.holders = holders or []  # the VMs that hold it here
+
 
 class TemplateInUse(VMManagerError):
     """A template some sandbox on this worker was made from."""

@@ -59,13 +59,15 @@ class Volumes:
             writers = [sid for sid, ro in users if not ro]
             if writers:
                 raise VolumeInUse(
-                    f"volume {v.id} is attached read-write to {', '.join(writers)} on this worker"
+                    f"volume {v.id} is attached read-write to {', '.join(writers)} on this worker",
+                    writers,
                 )
             if users and not v.read_only:
                 names = ", ".join(sid for sid, _ in users)
                 raise VolumeInUse(
                     f"volume {v.id} is attached read-only to {names} on this worker: no writer "
-                    "meanwhile"
+                    "meanwhile",
+                    [sid for sid, _ in users],
                 )
 
     async def drives(self, volumes: Sequence[VolumeMount]) -> tuple[Drive, ...]:
