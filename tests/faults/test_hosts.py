@@ -18,7 +18,7 @@ from space.db.store import Store, connect
 
 from ..platform.helpers import counter_runs, create, fetch, run, start_counter
 from ..stack import Platform, Service
-from .conftest import record, until
+from .conftest import record, shown_active, until
 
 pytestmark = pytest.mark.vm
 
@@ -196,3 +196,39 @@ def test_a_frozen_leader_is_replaced_and_cannot_act_after(platform: Platform) ->
         standby.stop()
     # The standby let go of its lease as it stopped: the platform's controller leads again.
     until(lambda: leads(platform, leader), 30, step=0.2)
+
+
+def test_a_volume_whose_holder_was_deleted_while_its_worker_was_away_moves_on(
+    platform: Platform, worker: Service
+) -> None:
+    """A is deleted while its worker is frozen; B then takes A's volume. The returning worker
+    still runs A: B waits (starting, with the reason) while A is ended, then runs with the
+    volume's data. Never two writers."""
+    assert worker.proc is not None
+    with platform.client() as c:
+        r = c.post("/v1/volumes", json={"name": "moves-on", "size_mib": 64})
+        assert r.status_code == 201, r.text
+        vol = r.json()["id"]
+        mount = {"volume": vol, "path": "/data", "read_only": False}
+        a = create(c, volumes=[mount])["id"]
+        run(c, a, "echo kept > /data/kept && sync")
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            until(lambda: "lost" in str(_state(c, a).get("reason")), 30)
+            r = c.delete(f"/v1/sandboxes/{a}")
+            assert r.status_code == 200, r.text
+            until(lambda: _state(c, a)["state"] == "deleted", 30)
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        back = time.monotonic()
+        shown_active(platform, platform.worker_id)
+        r = c.post("/v1/sandboxes", json={"volumes": [mount]}, timeout=120)
+        assert r.status_code in (200, 201, 202), r.text
+        b = r.json()["id"]
+        until(lambda: _state(c, b)["state"] in ("running", "error"), 60)
+        record("a volume's old holder deleted while its worker was away",
+               "the new sandbox runs with the volume", 30.0, time.monotonic() - back)  # fmt: skip
+        assert _state(c, b)["state"] == "running", _state(c, b)
+        assert run(c, b, "cat /data/kept")[0] == b"kept\n"
+        c.delete(f"/v1/sandboxes/{b}")
+        c.delete(f"/v1/volumes/{vol}")
