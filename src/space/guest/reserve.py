@@ -4,8 +4,8 @@ The tenant is root in its guest, and its programs may fork without end, fill mem
 every vCPU; the agent must still answer (exec, files, PTYs, suspend, delete). So, as the VM's
 init, the agent puts itself in one cgroup (v2) and every process it starts in another:
 
-- `tenant/`: `pids.max` TENANT_PIDS, `memory.max` all of the guest's memory but the reserve
-  (so the guest's OOM killer picks among the tenant's processes), `cpu.weight` 100; each
+- `tenant/`: `pids.max` TENANT_PIDS, `cpu.weight` 100, no memory cap of its own (the guest's
+  OOM killer picks among the tenant's processes: the agent, PID 1, is never its pick); each
   process the agent starts gets a cgroup of its own below it (`tenant/p<n>`, at most
   ONE_PROCESS_PIDS processes), so that one fork bomb neither takes every pid from the next
   command nor most of the CPU: siblings share the tenant's CPU evenly, whatever they fork;
@@ -55,7 +55,6 @@ def set_up() -> bool:
         reserve = min(RESERVE_MAX, max(RESERVE_MIN, total // RESERVE_FRACTION))
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         (TENANT / "pids.max").write_text(str(min(TENANT_PIDS, pid_max // 2)))
-        (TENANT / "memory.max").write_text(str(max(total - reserve, 32 << 20)))
         (TENANT / "cpu.weight").write_text("100")
         (TENANT / "cgroup.subtree_control").write_text("+cpu +memory +pids")
         (AGENT / "memory.min").write_text(str(reserve))
