@@ -127,6 +127,10 @@ def test_a_taken_over_vmm_reaches_nothing(world: World, case: str) -> None:
     params = make_params(world)
     if attack == "load_module" and not Path("/proc/modules").exists():
         pytest.skip("this host's kernel loads no modules at all: the control cannot show one")
+    if case == "another sandbox's memory file" and world.victim.vm.config.memory_file == Path(
+        _snapshot_memory(world)["path"]
+    ):
+        pytest.skip("both map the snapshot's own file, read-only: their own pages are anonymous")
     code, control = drill(attack, params, None)
     assert code == 0 and control == {"outcome": "done"}, f"the attack fails unjailed: {control}"
     vmm = world.attacker.vm.status().pid
