@@ -8,6 +8,8 @@
     memory copied out of QEMU's stream first (SPACE_WORKER_MAPPED_MEMORY=0)
   - cold boot: a worker with base snapshots turned off (SPACE_WORKER_BASE_SNAPSHOTS=0) boots
     every sandbox
+  - the VMM jail's cost: pool hits, misses and the PSS of an idle sandbox's VMM, jailed (the
+    default) and, as the baseline, unjailed (SPACE_WORKER_JAIL=0)
 For each: the create call until it answers with a running sandbox, and create until the first
 command's answer; then creates per second with 8 concurrent clients (create, first exec,
 delete), with and without a pool (and without one on copied memory). All phases run in one run,
@@ -108,6 +110,38 @@ def sequential(p: BenchPlatform, key: str, n: int, before: Callable[[], None] | 
     return run
 
 
+def idle_pss(p: BenchPlatform, key: str, n: int) -> dict[str, Any]:
+    """PSS (MiB) of the VMMs of n sandboxes that each answered a command and then idled."""
+    with p.client(key) as c:
+        made = []
+        for _ in range(n):
+            r = c.post("/v1/sandboxes", json=SHAPE)
+            assert r.status_code == 201, r.text
+            made.append(r.json()["id"])
+            first_exec(c, made[-1])
+        time.sleep(5)
+        figures = [_pss_mib(sid) for sid in made]
+        for sid in made:
+            c.delete(f"/v1/sandboxes/{sid}")
+    return {"sandboxes": n, "pss_mib_mean": sum(figures) / len(figures), "pss_mib": figures}
+
+
+def _pss_mib(sid: str) -> float:
+    needle = f"/vms/{sid}/".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            if cmdline.startswith(b"qemu-system") and needle in cmdline:
+                for line in (proc / "smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            continue
+    raise RuntimeError(f"no VMM found for {sid}")
+
+
 def burst(p: BenchPlatform, key: str, n: int) -> dict[str, Any]:
     """n creates (each: create, first exec, delete) by CONCURRENCY clients at once."""
 
@@ -137,6 +171,7 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=4, help="pool size for the sequential hits")
     parser.add_argument("--burst", type=int, default=96, help="creates per concurrent phase")
     parser.add_argument("--burst-pool", type=int, default=16)
+    parser.add_argument("--idle", type=int, default=8, help="sandboxes whose PSS is measured")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     os.environ.update(UNLIMITED)  # its pool polls would pass the default rate limit
@@ -155,6 +190,7 @@ def main() -> None:
         set_pool(p, admin, 0)
         wait_pool(p, admin, 0)
         runs["miss"] = sequential(p, key, args.creates)
+        results["idle_pss"] = idle_pss(p, key, args.idle)
 
         results["burst_no_pool"] = burst(p, key, args.burst)
         set_pool(p, admin, args.burst_pool)
@@ -170,6 +206,21 @@ def main() -> None:
             create_and_exec(c)
         runs["miss_copied"] = sequential(p, key, args.creates)
         results["burst_no_pool_copied"] = burst(p, key, args.burst)
+
+        p.stop("worker")
+        p.start_worker(SPACE_WORKER_JAIL="0")
+        p.wait_worker(key)
+        with p.client(key) as c:  # its own base snapshot: not part of any figure
+            create_and_exec(c)
+        set_pool(p, admin, args.pool)
+        wait_pool(p, admin, args.pool)
+        runs["hit_unjailed"] = sequential(
+            p, key, args.creates, lambda: wait_pool(p, admin, args.pool)
+        )
+        set_pool(p, admin, 0)
+        wait_pool(p, admin, 0)
+        runs["miss_unjailed"] = sequential(p, key, args.creates)
+        results["idle_pss_unjailed"] = idle_pss(p, key, args.idle)
 
         p.stop("worker")
         p.start_worker(SPACE_WORKER_BASE_SNAPSHOTS="0")
@@ -188,6 +239,9 @@ def main() -> None:
             f"{b['creates_per_s']:.1f} creates/s, create p50 {b['create']['p50_ms']:.0f} ms "
             f"p90 {b['create']['p90_ms']:.0f} ms, paths {b['paths']}"
         )
+    for name in ("idle_pss", "idle_pss_unjailed"):
+        lines.append(f"{name}: {results[name]['pss_mib_mean']:.1f} MiB per idle sandbox's VMM "
+                     f"({results[name]['sandboxes']} sandboxes)")  # fmt: skip
     lines.append(f"paths taken: {paths}")
     print("\n".join(lines))
     print(json.dumps(results, indent=2))

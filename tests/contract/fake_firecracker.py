@@ -681,8 +681,11 @@ def jailer_main(argv: list[str]) -> int:
         return 1
 
     if log_path:
+        # The namespace it would enter, by inode: what the caller's path named at this moment.
+        netns = os.stat(args.netns).st_ino if args.netns and Path(args.netns).exists() else None
+        record = {"event": "jailer", "pid": os.getpid(), "argv": argv, "netns_ino": netns}
         with open(log_path, "a") as log:
-            log.write(json.dumps({"event": "jailer", "pid": os.getpid(), "argv": argv}) + "\n")
+            log.write(json.dumps(record) + "\n")
     if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", args.id):
         return fail(f"Invalid instance ID: {args.id!r}")
     exec_file = Path(args.exec_file).resolve()

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import stat
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import Any, cast
 import httpx
 import pytest
 
+from space.worker.network import netns
+from space.worker.network.manager import open_tap_device
 from space.worker.vmm.base import (
     Drive,
     SnapshotInfo,
@@ -48,6 +51,7 @@ from space.worker.vmm.firecracker.jailer import (
     validate_instance_id,
 )
 from space.worker.vmm.firecracker.vsock import VsockConnectError, connect_hybrid_vsock
+from space.worker.vmm.jail.uids import UidRange
 
 from .fake_firecracker import (
     IGNORE_CTRL_ALT_DEL_ENV,
@@ -1088,11 +1092,9 @@ def jailed(fake: Fake, base: Path, **extra: Any) -> Callable[[VMConfig], JailerC
             id=config.vm_id,
             firecracker_binary=fake.firecracker,
             jailer_binary=fake.jailer,
-            uid=JAIL_UID,
-            gid=JAIL_GID,
             chroot_base_dir=base,
             resource_limits={"no-file": 4096},
-            **extra,
+            **{"uid": JAIL_UID, "gid": JAIL_GID, **extra},
         )
 
     return build
@@ -1175,6 +1177,57 @@ async def test_jailed_daemonized_vmm_logs_its_console_to_a_file(
     assert processes_mentioning(str(tmp_path)) == []
     assert not jail_dir(factory(vm.config)).exists()
     assert fake.problems() == []
+
+
+@as_root
+async def test_a_jailed_vm_takes_the_sandbox_tap_in_its_namespace(
+    fake: Fake, images: Images, tmp_path: Path
+) -> None:
+    """The worker hands the driver an fd on the sandbox's tap (opened in the sandbox's network
+    namespace): the jailer is told to enter that namespace (through the worker's fd, which it
+    can open after closing its own), and Firecracker to open that tap by name; the VM's uid is
+    leased from the worker's range and given back once the VM is gone."""
+    name = f"fc-{uuid.uuid4().hex[:8]}"
+    tap = netns.create(name, lambda: open_tap_device("tap-sb"))
+    uids = UidRange(2_100_000_000, 4, tmp_path / "uids")
+    released: list[int] = []
+    factory = jailed(fake, tmp_path / "jails", uid=uids.lease("vm-a"))
+    try:
+        driver = FirecrackerDriver(jailer=factory, on_release=lambda j: released.append(j.uid))
+        config = make_config(images, guest_mac=MAC, tap_fd=tap, nic=True)
+        vm = await driver.boot(config, tmp_path / "run")
+        async with closing(vm):
+            pid = vm.status().pid
+            assert pid is not None
+            record = next(r for r in fake.records() if r.get("event") == "jailer")
+            assert record["netns_ino"] == (netns.NETNS_DIR / name).stat().st_ino
+            netns_arg = record["argv"][record["argv"].index("--netns") + 1]
+            assert netns_arg.startswith(f"/proc/{os.getpid()}/fd/")
+            assert fake.body(pid, "PUT", "/network-interfaces/eth0") == {
+                "iface_id": "eth0", "host_dev_name": "tap-sb", "guest_mac": MAC,
+            }  # fmt: skip
+        assert released == [factory(config).uid]
+        # The driver let go of the namespace it held open for the jailer.
+        held = Path(netns_arg)
+        assert not held.exists() or os.readlink(held) != f"net:[{record['netns_ino']}]"
+    finally:
+        os.close(tap)
+        netns.remove(name)
+    assert fake.problems() == []
+
+
+async def test_a_nic_without_a_jailer_is_refused_clearly(
+    fake: Fake, images: Images, tmp_path: Path
+) -> None:
+    r, w = os.pipe()  # any fd: the driver refuses before it looks at it
+    try:
+        config = make_config(images, tap_fd=r, nic=True, tap_device="tap-sb")
+        with pytest.raises(VMMError, match="takes its jailer"):
+            await FirecrackerDriver(fake.firecracker).boot(config, tmp_path / "run")
+    finally:
+        os.close(r)
+        os.close(w)
+    assert processes_mentioning(str(tmp_path)) == []
 
 
 # --- hybrid vsock against real unix-socket peers --------------------------------------------

@@ -37,9 +37,14 @@ async def local_runtime(
     if s.driver == "firecracker":
         from space.worker.vmm.firecracker import FirecrackerDriver
 
-        # Firecracker needs KVM; it opens its tap by name, so it runs without a NIC unless
-        # a jailer puts it in the sandbox's network namespace.
-        driver = FirecrackerDriver(free_page_reporting=s.free_page_reporting)
+        # Firecracker needs KVM. It opens its tap by name, so a VM with a NIC needs its jailer,
+        # which puts it in the sandbox's network namespace.
+        jailer, on_release = None, None
+        if s.jail.enabled:
+            jailer, on_release = Jail(s.jail).firecracker("firecracker", pool.root / "jail")
+        driver = FirecrackerDriver(
+            jailer=jailer, on_release=on_release, free_page_reporting=s.free_page_reporting
+        )
     else:
         accel = await asyncio.to_thread(
             choose_accel, kernel.vmlinux, kernel.initrd, kernel.key, s.accel

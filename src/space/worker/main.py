@@ -72,11 +72,11 @@ async def run(settings: Settings, *, worker_id: str, host: str, port: int, url: 
     ws = settings.worker
     if not ws.control_url:
         raise SystemExit("SPACE_CONTROL_URL must name the API: a worker registers there")
-    if ws.driver == "firecracker" and ws.network:
+    if ws.driver == "firecracker" and ws.network and not ws.jail.enabled:
         raise SystemExit(
             "the Firecracker driver opens its tap by name inside the sandbox's network "
-            "namespace, which needs its jailer (not wired into the worker yet): run it with "
-            "SPACE_WORKER_NETWORK=0"
+            "namespace, which needs its jailer: run it with SPACE_WORKER_JAIL=1 (or "
+            "SPACE_WORKER_NETWORK=0)"
         )
     runtime = await local_runtime(ws)
     if problem := ksm.configure(ws.ksm, ws.ksm_pages_to_scan, ws.ksm_sleep_ms):

@@ -30,6 +30,8 @@ from space.worker.network.rules import NetworkError
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 TUNSETIFF = 0x400454CA
 TUNSETPERSIST = 0x400454CB
+TUNGETIFF = 0x800454D2
+TUNGETDEVNETNS = 0x54E3
 IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
 IFF_VNET_HDR = 0x4000
@@ -263,6 +265,17 @@ def open_tap_device(name: str, persist: bool = False) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def tap_device_name(fd: int) -> str:
+    """The name of the tap an fd from `open_tap_device` is bound to."""
+    ifr = fcntl.ioctl(fd, TUNGETIFF, bytes(40))
+    return ifr[:16].split(b"\0", 1)[0].decode()
+
+
+def tap_namespace(fd: int) -> int:
+    """A new fd on the network namespace the tap behind `fd` lives in; the caller closes it."""
+    return fcntl.ioctl(fd, TUNGETDEVNETNS)
 
 
 def _make_tap(name: str) -> None:

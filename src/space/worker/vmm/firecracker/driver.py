@@ -24,9 +24,11 @@ import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
+from space.worker.network.manager import tap_device_name, tap_namespace
 from space.worker.vmm.base import (
     SNAPSHOT_DISK,
     SNAPSHOT_MANIFEST,
@@ -107,6 +109,7 @@ class FirecrackerDriver(Driver):
         firecracker_bin: Path | str = "firecracker",
         *,
         jailer: JailerFactory | None = None,
+        on_release: Callable[[JailerConfig], None] | None = None,
         firecracker_args: Sequence[str] = (),
         log_level: LogLevel = "Warning",  # at Info, Firecracker logs request bodies: the token
         api_timeout: float = 30.0,
@@ -117,6 +120,7 @@ class FirecrackerDriver(Driver):
         self.firecracker_bin = firecracker_bin
         self.free_page_reporting = free_page_reporting
         self.jailer = jailer
+        self.on_release = on_release  # once a jail this driver made is gone (its uid, cgroup)
         self.firecracker_args = tuple(firecracker_args)
         self.log_level: LogLevel = log_level
         self.api_timeout = api_timeout
@@ -125,7 +129,7 @@ class FirecrackerDriver(Driver):
 
     async def boot(self, config: VMConfig, run_dir: Path) -> FirecrackerVM:
         # Firecracker's snapshots always keep memory as a file, which its restores map.
-        config = config.with_changes(
+        config = _named_tap(config).with_changes(
             free_page_reporting=self.free_page_reporting, memory_file=None, memory_shared=False
         )
         _check_files(config)
@@ -195,7 +199,8 @@ class FirecrackerDriver(Driver):
         self, snapshot: SnapshotInfo, config: VMConfig, run_dir: Path, *, paused: bool = False
     ) -> FirecrackerVM:
         _check_restorable(snapshot, config)
-        config = config.with_changes(memory_file=None, memory_shared=False)  # its own file, always
+        # Its own memory file, always.
+        config = _named_tap(config).with_changes(memory_file=None, memory_shared=False)
         state_file = snapshot.path / snapshot.files["state"]
         memory_file = snapshot.path / snapshot.files["memory"]
         # Drives are found by the names the snapshot recorded: other files under those names
@@ -240,6 +245,30 @@ class FirecrackerDriver(Driver):
         """Lay out the VMM's root, start the process and wait for its API socket."""
         validate_instance_id(config.vm_id)  # Firecracker's --id rule, checked before we start
         jail = self.jailer(config) if self.jailer is not None else None
+        netns: int | None = None
+        if config.tap_fd is not None:
+            if jail is None:
+                raise VMMError(
+                    "Firecracker opens its tap by name inside the sandbox's network namespace: "
+                    "that takes its jailer (SPACE_WORKER_JAIL=1)"
+                )
+            # The jailer enters the namespace of the tap we were handed. It closes every fd it
+            # inherits first, so it opens ours through /proc, while we hold it open.
+            netns = tap_namespace(config.tap_fd)
+            jail = replace(jail, netns=Path(f"/proc/{os.getpid()}/fd/{netns}"))
+        try:
+            return await self._start(config, run_dir, files, jail)
+        finally:
+            if netns is not None:
+                os.close(netns)
+
+    async def _start(
+        self,
+        config: VMConfig,
+        run_dir: Path,
+        files: list[tuple[Path, str, bool]],
+        jail: JailerConfig | None,
+    ) -> FirecrackerVM:
         if jail is None:
             argv = [
                 str(_find_binary(self.firecracker_bin)),
@@ -252,7 +281,7 @@ class FirecrackerDriver(Driver):
         else:
             argv = jailer_argv(jail, self.firecracker_args)
         protect = [config.kernel, config.initrd, config.rootfs, *(d.path for d in config.drives)]
-        root = _VMMRoot(run_dir, jail, protect=protect)
+        root = _VMMRoot(run_dir, jail, protect=protect, on_release=self.on_release)
         client: FirecrackerClient | None = None
         try:
             root.prepare()
@@ -583,9 +612,16 @@ class _VMMRoot:
     the caller's (the kernel, initrd and disk are only ever linked to).
     """
 
-    def __init__(self, run_dir: Path, jail: JailerConfig | None, protect: list[Path | None]):
+    def __init__(
+        self,
+        run_dir: Path,
+        jail: JailerConfig | None,
+        protect: list[Path | None],
+        on_release: Callable[[JailerConfig], None] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.jail = jail
+        self._on_release = on_release
         self.dir = chroot_root(jail) if jail is not None else run_dir
         self.api_socket = self.dir / (
             JAILED_API_SOCKET.lstrip("/") if jail is not None else API_SOCKET
@@ -686,6 +722,8 @@ class _VMMRoot:
                     pass
                 except OSError as exc:
                     log.warning("could not remove cgroup %s: %s", self._cgroup, exc)
+            if self._on_release is not None and self.jail is not None:
+                self._on_release(self.jail)
         if self._made_run_dir:
             with contextlib.suppress(OSError):
                 self.run_dir.rmdir()  # only if nothing else was put there
@@ -727,6 +765,13 @@ def _find_binary(binary: Path | str) -> Path:
             "or give FirecrackerDriver its path"
         )
     return Path(found)
+
+
+def _named_tap(config: VMConfig) -> VMConfig:
+    """A NIC on a tap fd the worker opened: Firecracker takes the tap by its name."""
+    if config.tap_fd is None or config.tap_device is not None:
+        return config
+    return config.with_changes(tap_device=tap_device_name(config.tap_fd))
 
 
 def _check_files(config: VMConfig) -> None:

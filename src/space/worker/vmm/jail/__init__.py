@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import secrets
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from space.settings import JailSettings
+from space.worker.vmm.base import VMConfig
+from space.worker.vmm.firecracker.jailer import JailerConfig
 from space.worker.vmm.jail import launch
-from space.worker.vmm.jail.cgroups import CgroupError, Cgroups, Limits
+from space.worker.vmm.jail.cgroups import PARENT, CgroupError, Cgroups, Limits
 from space.worker.vmm.jail.launch import JailSpec
 from space.worker.vmm.jail.uids import UidRange
 from space.worker.vmm.process import VMM_NICE
@@ -90,6 +93,24 @@ class Jail:
 
     def started(self, confinement: Confinement, vm_id: str, pid: int) -> None:
         self.uids.started(confinement.uid, vm_id, pid)
+
+    def firecracker(
+        self, binary: str, chroot_base: Path
+    ) -> tuple[Callable[[VMConfig], JailerConfig], Callable[[JailerConfig], None]]:
+        """Firecracker's own jailer, in this jail's layout: a factory of each VM's jail (its
+        leased uid, its cgroup's limits) and what gives its uid back once it is gone."""
+        chroot_base.mkdir(parents=True, exist_ok=True)
+
+        def make(config: VMConfig) -> JailerConfig:
+            uid = self.uids.lease(config.vm_id)
+            limits = self.limits(config.vcpus, config.memory_mib)
+            return JailerConfig(
+                id=config.vm_id, firecracker_binary=binary, uid=uid, gid=uid,
+                chroot_base_dir=chroot_base, cgroup_version=2 if self.cgroups.v2 else 1,
+                cgroups=self.cgroups.files(limits), parent_cgroup=PARENT,
+            )  # fmt: skip
+
+        return make, lambda jail: self.uids.release(jail.uid)
 
     def release(self, record: dict[str, Any]) -> None:
         """Give back the uid and cgroup of a VMM that is gone (`record` is `Confinement.record`)."""

@@ -112,6 +112,23 @@ class Cgroups:
                         put("blkio", f"blkio.throttle.{op}_{key}_device",
                             f"{limits.io_device} {value}")  # fmt: skip
 
+    def files(self, limits: Limits) -> dict[str, str]:
+        """The limits as cgroup files and values, as Firecracker's jailer takes them."""
+        if self.v2:
+            return {
+                "memory.max": str(limits.memory_bytes),
+                "pids.max": str(limits.pids),
+                "cpu.max": f"{int(limits.cpus * PERIOD_US)} {PERIOD_US}",
+                "cpu.weight": str(max(1, min(10_000, limits.weight))),
+            }
+        return {
+            "memory.limit_in_bytes": str(limits.memory_bytes),
+            "pids.max": str(limits.pids),
+            "cpu.cfs_period_us": str(PERIOD_US),
+            "cpu.cfs_quota_us": str(int(limits.cpus * PERIOD_US)),
+            "cpu.shares": str(max(2, limits.weight * 1024 // 100)),
+        }
+
     def remove(self, name: str) -> bool:
         """Remove the VMM's cgroups once its processes are gone; False if one still holds some."""
         done = True
