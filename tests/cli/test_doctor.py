@@ -277,3 +277,29 @@ def test_space_up_stops_before_anything_when_the_host_cannot_run_it() -> None:
     assert "Error: this host cannot run SPACE yet" in run.stderr
     assert "space up: database" not in run.stderr  # nothing else began
     assert "guest kernel" not in run.stderr and "guest kernel" not in run.stdout
+
+
+def test_firecracker_is_checked_only_where_it_is_the_driver(tmp_path: Path) -> None:
+    _, document = doctor("firecracker")
+    assert one(document, "firecracker")["status"] == "ok"
+    assert "not used" in one(document, "firecracker")["summary"]
+    # A PATH without Firecracker or its jailer (this host has neither): the fix is named.
+    env = {"SPACE_WORKER_DRIVER": "firecracker", "PATH": str(tmp_path)}
+    status, document = doctor("firecracker", env=env)
+    found = one(document, "firecracker")
+    assert status == 1 and found["status"] == "fail", found
+    assert found["summary"] == "firecracker and jailer not found" and "jailer" in found["fix"]
+    # Both present (stand-ins that say their version), but the jail off: a VM has no network.
+    for name, say in (("firecracker", "Firecracker v1.16.1"), ("jailer", "Jailer v1.16.1")):
+        tool = tmp_path / name
+        tool.write_text(f"#!/bin/sh\necho '{say}'\n")
+        tool.chmod(0o755)
+    _, document = doctor("firecracker", env={**env, "SPACE_WORKER_JAIL": "0"})
+    found = one(document, "firecracker")
+    assert found["status"] == "warn" and "without its jailer" in found["summary"], found
+    _, document = doctor("firecracker", env=env)
+    assert one(document, "firecracker") == {
+        **one(document, "firecracker"),
+        "status": "ok",
+        "summary": "Firecracker v1.16.1 and its jailer",
+    }

@@ -44,6 +44,8 @@ class Host:
     accel: str = "auto"  # SPACE_ACCEL: auto, kvm or tcg
     network: bool = True  # SPACE_WORKER_NETWORK=0: VMs have no NIC, so no tap, netns, nftables
     reserve_mib: int = 1024  # SPACE_POOL_RESERVE_MIB: memory warm pools leave free
+    driver: str = "qemu"  # SPACE_WORKER_DRIVER
+    jail: bool = True  # SPACE_WORKER_JAIL
 
     @classmethod
     def from_env(cls) -> Host:
@@ -58,6 +60,8 @@ class Host:
             # As the worker reads them (space.worker.netsetup, space.controller.pools).
             network=env.get("SPACE_WORKER_NETWORK", "1") != "0",
             reserve_mib=int(env.get("SPACE_POOL_RESERVE_MIB", "1024")),
+            driver=env.get("SPACE_WORKER_DRIVER", "qemu"),
+            jail=env.get("SPACE_WORKER_JAIL", "1").lower() not in ("0", "false", "no", "off"),
         )
 
     @property

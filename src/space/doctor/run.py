@@ -13,6 +13,7 @@ from space.doctor.network import check_netns, check_nftables
 from space.doctor.storage import check_cache_space, check_pool, check_pool_space
 from space.doctor.system import (
     check_cgroups,
+    check_firecracker,
     check_image_tools,
     check_memory,
     check_qemu,
@@ -25,6 +26,7 @@ CHECKS: dict[str, Callable[[Host], Check]] = {
     "root": check_root,
     "kvm": check_kvm,
     "qemu": check_qemu,
+    "firecracker": check_firecracker,
     "tun": check_tun,
     "loop": check_loop,
     "pool": check_pool,

@@ -83,6 +83,25 @@ def check_qemu(host: Host) -> Check:
     return Check("qemu", "ok", f"{name}, with the microvm machine")
 
 
+def check_firecracker(host: Host) -> Check:
+    """Firecracker and its jailer, where the worker is to use them (SPACE_WORKER_DRIVER)."""
+    if host.driver != "firecracker":
+        return Check("firecracker", "ok", f"not used (SPACE_WORKER_DRIVER={host.driver})")
+    means = ("SPACE_WORKER_DRIVER=firecracker runs every VM in Firecracker, jailed by its "
+             "jailer (a VM with a network needs it), on KVM.")  # fmt: skip
+    fix = "install Firecracker's release binaries `firecracker` and `jailer` on the PATH"
+    missing = [b for b in ("firecracker", "jailer") if shutil.which(b) is None]
+    if missing:
+        return Check("firecracker", "fail", f"{' and '.join(missing)} not found", means, fix)
+    banner = _run(["firecracker", "--version"]).splitlines()
+    version = banner[0].strip() if banner else "an unknown version"
+    if not host.jail:
+        return Check("firecracker", "warn", f"{version}, without its jailer (SPACE_WORKER_JAIL=0)",
+                     means + " Without the jailer a VM has no network.",
+                     "SPACE_WORKER_JAIL=1")  # fmt: skip
+    return Check("firecracker", "ok", f"{version} and its jailer")
+
+
 def check_image_tools(host: Host) -> Check:
     missing = {tool: package for tool, package in IMAGE_TOOLS.items() if not shutil.which(tool)}
     problems = [f"{tool} (package {package})" for tool, package in missing.items()]
@@ -116,8 +135,8 @@ def check_image_tools(host: Host) -> Check:
 def check_cgroups(host: Host) -> Check:
     root = host.paths.sys / "fs" / "cgroup"
     means = (
-        "Firecracker's jailer (production) confines each VM in a cgroup v2 with its CPU and "
-        "memory limits. QEMU VMs, as here, run without it."
+        "Every VMM runs jailed in a cgroup of its own (CPU, memory, pids, block I/O): under "
+        "cgroup v1 too, but Firecracker's jailer and the io controller's limits want v2."
     )
     try:
         controllers = set((root / "cgroup.controllers").read_text().split())
