@@ -651,20 +651,6 @@ async def test_reconcile_removes_what_is_not_wanted(worker: Worker, vm: str) -> 
         assert (await worker.http.post("/reconcile", json=body)).status_code == 400
 
 
-async def test_nothing_is_left_behind(worker: Worker, vm: str) -> None:
-    assert (await worker.http.post("/reconcile", json={"keep": []})).json() == {
-        "removed": [vm, "sleeper"]
-    }
-    assert worker.pids() == set()
-    await worker.stop(stop_vms=True)
-    for d in (
-        worker.manager.layout.vms,
-        worker.manager.layout.suspended,
-        worker.manager.layout.building,
-    ):
-        assert list(d.iterdir()) == []
-
-
 async def test_a_snapshot_that_cannot_restore_never_replaces_a_live_vm(worker: Worker) -> None:
     """A `suspended/<id>/` holding only sandbox.json beside the running VM (a disk error, an
     operator's copy): the restarted worker keeps the VM, and sets the snapshot aside, kept."""
@@ -687,3 +673,18 @@ async def test_a_snapshot_that_cannot_restore_never_replaces_a_live_vm(worker: W
     await worker.start()  # and it stays set aside across another restart
     assert (aside / "sandbox.json").exists()
     assert (await worker.http.delete("/vms/alive")).status_code == 204
+    shutil.rmtree(aside)  # what an operator does once they have looked at it
+
+
+async def test_nothing_is_left_behind(worker: Worker, vm: str) -> None:
+    assert (await worker.http.post("/reconcile", json={"keep": []})).json() == {
+        "removed": [vm, "sleeper"]
+    }
+    assert worker.pids() == set()
+    await worker.stop(stop_vms=True)
+    for d in (
+        worker.manager.layout.vms,
+        worker.manager.layout.suspended,
+        worker.manager.layout.building,
+    ):
+        assert list(d.iterdir()) == []

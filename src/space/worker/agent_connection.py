@@ -23,7 +23,6 @@ StreamPair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 BUFFER_HIGH = 16 << 20
 BUFFER_LOW = 4 << 20
 SEND_DEADLINE_S = 60.0  # for the agent to take a frame of ours
-RECONNECT_S = 0.05  # before opening a stream the VMM dropped again
 
 
 class AgentConnection:
@@ -54,33 +53,20 @@ class AgentConnection:
         token: str,
         timeout: float = 30.0,
     ) -> Self:
-        """Open a stream and authenticate; waits up to `timeout` for the agent to answer.
-
-        A stream the VMM drops before the agent answered (QEMU 10 drops a client of its port
-        while the guest has it closed, as its agent does once during boot) is opened again."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            left = max(0.0, deadline - loop.time())
-            reader, writer = await within(open_stream(), left, "opening the agent's stream")
-            client = cls(reader, writer)
-            try:
-                await asyncio.wait_for(client.hello(token), left)
-            except TimeoutError:
-                await client.close()
-                raise AgentConnectionLost(
-                    "timeout", f"the guest agent did not answer within {timeout:.1f}s"
-                ) from None
-            except AgentConnectionLost:
-                await client.close()
-                if loop.time() + RECONNECT_S >= deadline:
-                    raise
-                await asyncio.sleep(RECONNECT_S)
-                continue
-            except BaseException:
-                await client.close()
-                raise
-            return client
+        """Open a stream and authenticate; waits up to `timeout` for the agent to answer."""
+        reader, writer = await within(open_stream(), timeout, "opening the agent's stream")
+        client = cls(reader, writer)
+        try:
+            await asyncio.wait_for(client.hello(token), timeout)
+        except TimeoutError:
+            await client.close()
+            raise AgentConnectionLost(
+                "timeout", f"the guest agent did not answer within {timeout:.1f}s"
+            ) from None
+        except BaseException:
+            await client.close()
+            raise
+        return client
 
     async def hello(self, token: str) -> None:
         """Authenticate; everything the agent sent before its WELCOME is ignored."""

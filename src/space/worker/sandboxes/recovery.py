@@ -48,7 +48,8 @@ async def adopt_all(manager: VMManager) -> None:
     for run_dir in layout.building.iterdir():
         await kill_leftover(run_dir)  # a base snapshot's VM: its build died with the worker
     suspension.clean(layout.suspended)
-    suspended = {p.name for p in layout.suspended.iterdir() if (p / SANDBOX_FILE).exists()}
+    suspended = {p.name for p in layout.suspended.iterdir()
+                 if not p.name.startswith(".") and (p / SANDBOX_FILE).exists()}  # fmt: skip
     for vm_id in sorted(suspended):
         # A snapshot that could not restore never replaces a VM that still runs (a disk error
         # or an operator's copy can leave one beside it): it is set aside, never deleted.
