@@ -160,8 +160,9 @@ class JailSettings:
     # by every worker of the host.
     uid_base: int = 1_500_000_000
     uid_count: int = 65_536
-    # The VMM's cgroup: guest RAM plus this for the VMM itself (TCG's code cache, device
-    # buffers), a cap on its threads, and CPU time up to its vCPUs plus `extra_cpus`.
+    # The VMM's cgroup: twice the guest's RAM (its snapshot streams' page cache) plus this for
+    # the VMM itself (TCG's code cache, device buffers), a cap on its threads, and CPU time up
+    # to its vCPUs plus `extra_cpus`.
     memory_overhead_mib: int = 256
     pids: int = 160
     extra_cpus: float = 1.0

@@ -31,10 +31,14 @@ SICKNESS = {
 }
 
 
-def _timed(what: str, sickness: str, call: Callable[[], object]) -> None:
-    started = time.monotonic()
-    call()
-    record(f"{what} with {sickness}", "answers", ANSWER_S, time.monotonic() - started)
+def _timed(what: str, sickness: str, call: Callable[[], object], times: int = 1) -> None:
+    """The slowest of `times` calls, against the bound."""
+    took = []
+    for _ in range(times):
+        started = time.monotonic()
+        call()
+        took.append(time.monotonic() - started)
+    record(f"{what} with {sickness}", "answers", ANSWER_S, max(took))
 
 
 @pytest.mark.parametrize("sickness", list(SICKNESS))
@@ -46,9 +50,8 @@ def test_the_controls_answer_whatever_the_guest_does(platform: Platform, sicknes
         sb.files.write("/root/kept", b"kept")
         sb.processes.start(SICKNESS[sickness], tag="sick")
         time.sleep(5)  # it has taken what it can
-        for _ in range(2):
-            _timed("exec true", sickness, lambda: sb.exec("true"))
-            _timed("file read", sickness, lambda: sb.files.read("/root/kept"))
+        _timed("exec true", sickness, lambda: sb.exec("true"), times=3)
+        _timed("file read", sickness, lambda: sb.files.read("/root/kept"), times=3)
 
         def pty_answers() -> None:
             term = sb.pty.create(rows=24, cols=80)

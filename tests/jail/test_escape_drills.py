@@ -26,6 +26,7 @@ from space.settings import JailSettings
 from space.worker.local import LocalRuntime
 from space.worker.machine import Machine
 from space.worker.vmm.base import SnapshotInfo
+from space.worker.vmm.jail import Jail
 
 pytestmark = pytest.mark.vm
 
@@ -148,7 +149,7 @@ async def test_memory_past_the_limit_is_the_vmms_own_loss(
     """Allocating past the cgroup's memory limit ends the allocating process (the OOM killer in
     that cgroup), never the host's memory."""
     settings = JailSettings()
-    limit = (world.attacker.vm.config.memory_mib + settings.memory_overhead_mib) << 20
+    limit = Jail(settings).limits(1, world.attacker.vm.config.memory_mib).memory_bytes
     params = {"bytes": limit + (64 << 20)}
     code, control = drill("allocate", params, None)
     assert code == 0 and control == {"outcome": "done"}

@@ -58,7 +58,10 @@ class Jail:
     def limits(self, vcpus: int, memory_mib: int) -> Limits:
         s = self.settings
         return Limits(
-            memory_bytes=(memory_mib + s.memory_overhead_mib) << 20,
+            # Twice the guest's RAM: the page cache of a snapshot stream QEMU writes or reads
+            # (as big as the guest's RAM) is charged here too, and a cgroup short of room for it
+            # stalls its VMM in writeback.
+            memory_bytes=(2 * memory_mib + s.memory_overhead_mib) << 20,
             pids=s.pids,
             cpus=vcpus + s.extra_cpus,
             weight=100 * vcpus,
