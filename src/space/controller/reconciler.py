@@ -72,6 +72,7 @@ class Reconciler:
         self.settings = settings
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._deleting: dict[str, asyncio.Task[None]] = {}  # deletes beside a step in flight
+        self._driving_to: dict[str, str] = {}  # what each task in flight was started toward
         self._placement = asyncio.Lock()
         self.moves = Moves(store, workers, sealer, leadership.check, self._placement)
         self._lost: LostLeadership | None = None
@@ -96,8 +97,10 @@ class Reconciler:
                     if sid not in self._inflight:
                         task = asyncio.ensure_future(self._drive(sid))
                         self._inflight[sid] = task
+                        self._driving_to[sid] = row["desired_state"]
                         task.add_done_callback(partial(self._done, sid))
-                    elif row["desired_state"] == "deleted" and sid not in self._deleting:
+                    elif (row["desired_state"] == "deleted" and sid not in self._deleting
+                          and self._driving_to.get(sid) != "deleted"):  # fmt: skip
                         # A delete never waits behind a step in flight (a suspend of a VMM that
                         # stopped answering): it goes to the worker at once, which ends that
                         # step; the step's own writes then find the row moved on.
@@ -117,6 +120,7 @@ class Reconciler:
 
     def _done(self, sid: str, _task: asyncio.Task[None]) -> None:
         self._inflight.pop(sid, None)
+        self._driving_to.pop(sid, None)
 
     def _deleted(self, sid: str, _task: asyncio.Task[None]) -> None:
         self._deleting.pop(sid, None)

@@ -172,7 +172,7 @@ class Watch:
             self._last_retry = now
             for sb in vms:
                 if sb.condition == "unresponsive" and sb.machine is None:
-                    async with self.manager.locks.hold(sb.id):
+                    async with self.manager.locks.hold(sb.id, cancellable=False):
                         await try_adopt(self.manager, sb)
         if now - self._last_measure >= MEASURE_S:
             self._last_measure = now

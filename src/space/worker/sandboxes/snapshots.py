@@ -39,6 +39,7 @@ from space.worker.artifacts.trust import foreign_snapshot_problem
 from space.worker.machine import BootImages, Machine, remap
 from space.worker.network import GUEST_MAC
 from space.worker.sandboxes import guest
+from space.worker.sandboxes.errors import Unavailable
 from space.worker.sandboxes.records import (
     UNREADABLE,
     Layout,
@@ -82,7 +83,11 @@ class KeyedLock:
         self._holders: dict[str, asyncio.Task[Any]] = {}
 
     @contextlib.asynccontextmanager
-    async def hold(self, key: str, take_over: TakeOver | None = None) -> AsyncIterator[None]:
+    async def hold(
+        self, key: str, take_over: TakeOver | None = None, cancellable: bool = True
+    ) -> AsyncIterator[None]:
+        """Hold `key`'s lock. A `take_over` gets it from a holder that keeps it too long; a
+        holder whose task must live on (a loop's) is never cancelled for it (`cancellable`)."""
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         try:
@@ -90,7 +95,7 @@ class KeyedLock:
                 await lock.acquire()
             else:
                 await self._take_over(key, lock, take_over)
-            if task := asyncio.current_task():
+            if cancellable and (task := asyncio.current_task()):
                 self._holders[key] = task
             try:
                 yield
@@ -110,17 +115,30 @@ class KeyedLock:
             done, _ = await asyncio.wait({acquired}, timeout=how.grace)
             if not done:
                 log.warning("%s: its holder kept it %.0f s; interrupting it", key, how.grace)
-                await how.interrupt()
+                # In the background: ending a VMM stuck in the kernel may itself not end.
+                interrupt = asyncio.ensure_future(how.interrupt())
+                interrupt.add_done_callback(_log_failure(key))
                 done, _ = await asyncio.wait({acquired}, timeout=how.bound - how.grace)
             if not done and (holder := self._holders.get(key)) is not None:
                 log.warning("%s: its holder kept it %.0f s; cancelling it", key, how.bound)
                 holder.cancel()
-            await acquired
+            try:
+                await asyncio.wait_for(asyncio.shield(acquired), how.bound)
+            except TimeoutError:
+                raise Unavailable(f"{key} is held by an operation that does not end") from None
         except BaseException:
             if acquired.done() and not acquired.cancelled() and acquired.exception() is None:
                 lock.release()
             acquired.cancel()
             raise
+
+
+def _log_failure(key: str) -> Callable[[asyncio.Future[None]], None]:
+    def done(task: asyncio.Future[None]) -> None:
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.warning("%s: interrupting its holder failed: %r", key, e)
+
+    return done
 
 
 class BaseSnapshots:

@@ -26,7 +26,7 @@ from typing import Any
 from qemu.qmp import QMPClient
 
 from space.guest.protocol import AGENT_PORT_NAME
-from space.worker.network.manager import open_tap_device
+from space.worker.network.manager import open_tap_device, tap_namespace
 from space.worker.storage.reflink import clone_file
 from space.worker.vmm.base import (
     MEMORY_FILE,
@@ -176,8 +176,7 @@ class QemuVM(VM):
                     self._qmp = qmp
                     return
                 connect.cancel()
-                with contextlib.suppress(BaseException):
-                    await connect
+                await asyncio.wait({connect})  # its end, never swallowing our own cancellation
                 with contextlib.suppress(Exception):
                     await qmp.disconnect()
             self._check_alive()
@@ -531,6 +530,11 @@ class QemuDriver(Driver):
                 fds[TAP_FD] = config.tap_fd
             elif config.tap_device is not None:
                 ours[TAP_FD] = fds[TAP_FD] = open_tap_device(config.tap_device)
+                if self.jail is not None and _in_host_namespace(fds[TAP_FD]):
+                    raise VMMError(
+                        f"tap {config.tap_device} is in the host's network namespace: a jailed "
+                        "VMM would join it; open it inside the sandbox's namespace"
+                    )
             if self.jail is not None:
                 confinement = self._confine(config, run_dir, TAP_FD if TAP_FD in fds else None)
             proc = VMMProcess.spawn(
@@ -598,7 +602,8 @@ class QemuDriver(Driver):
             for path in (run_dir / CONFIG_FILE, *writable):
                 os.chown(path, uid, uid)
             for path in read_only:
-                _readable(path)
+                if path != run_dir / CONFIG_FILE:  # the token's file: the VMM's own, 0600
+                    _readable(path)
         except BaseException:
             self.jail.release(confinement.record())
             raise
@@ -791,6 +796,14 @@ def _open_files(config: VMConfig, run_dir: Path, state: Path | None) -> dict[int
             os.close(fd)
         raise
     return fds
+
+
+def _in_host_namespace(tap_fd: int) -> bool:
+    netns = tap_namespace(tap_fd)
+    try:
+        return os.fstat(netns).st_ino == os.stat("/proc/1/ns/net").st_ino
+    finally:
+        os.close(netns)
 
 
 def _listen(path: Path) -> int:

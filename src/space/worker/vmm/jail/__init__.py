@@ -86,10 +86,9 @@ class Jail:
         except CgroupError:
             self.uids.release(uid)
             raise
-        extra = [] if exe.startswith("/usr/") else [exe]
         spec = JailSpec(
             uid=uid, gid=uid, root=str(ROOT_MOUNTPOINT), exe=exe, tap_fd=tap_fd, cgroups=procs,
-            read_only=[str(p) for p in (*read_only, *map(Path, extra))],
+            read_only=[str(p) for p in read_only],
             writable=[str(p) for p in writable], devices=devices, nice=VMM_NICE,
         )  # fmt: skip
         return Confinement(uid, name, spec)
@@ -113,7 +112,7 @@ class Jail:
                 cgroups=self.cgroups.files(limits), parent_cgroup=PARENT,
             )  # fmt: skip
 
-        return make, lambda jail: self.uids.release(jail.uid)
+        return make, lambda jail: self.uids.release(jail.uid, jail.id)
 
     def release(self, record: dict[str, Any]) -> None:
         """Give back the uid and cgroup of a VMM that is gone (`record` is `Confinement.record`)."""

@@ -146,6 +146,8 @@ def _build_root(spec: JailSpec) -> None:
             _bind(host, _make_target(root, host, True), read_only=True, exec_ok=True)
     if os.path.exists("/etc/ld.so.cache"):
         _bind("/etc/ld.so.cache", _make_target(root, "/etc/ld.so.cache", False), read_only=True)
+    if not spec.exe.startswith("/usr/"):
+        _bind(spec.exe, _make_target(root, spec.exe, False), read_only=True, exec_ok=True)
     for device in spec.devices:
         _bind(device, _make_target(root, device, False), read_only=False)
     for path in spec.read_only:

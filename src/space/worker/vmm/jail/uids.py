@@ -1,17 +1,18 @@
 """A uid (and gid of the same number) for each jailed VMM, from a range the host's workers own.
 
-Leases are files under /run (gone with a reboot, as the VMMs are), made with O_EXCL so that
-several workers on one host never hand out one uid twice. A lease names its VM and, once
-started, the VMM's pid; a lease whose VMM is gone (its pid dead, or running as another uid) and
-that is older than `STALE_S` is taken back.
+Leases are files under /run (gone with a reboot, as the VMMs are), made under a lock the host's
+workers share, so that they never hand out one uid twice. A lease names its VM and, once
+started, the VMM's pid; a lease older than `STALE_S` whose uid no process runs as is taken back
+(a jailer drops to the uid without telling us the pid it runs Firecracker as).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import fcntl
 import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 LEASES = Path("/run/space/vmm-uids")
@@ -33,18 +34,15 @@ class UidRange:
     def lease(self, vm_id: str) -> int:
         self.leases.mkdir(parents=True, exist_ok=True, mode=0o700)
         start = secrets.randbelow(self.count)
-        for i in range(self.count):
-            uid = self.base + (start + i) % self.count
-            path = self.leases / str(uid)
-            for _ in range(2):
-                try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                except FileExistsError:
+        with self._locked():  # one judge of staleness at a time, across the host's workers
+            for i in range(self.count):
+                uid = self.base + (start + i) % self.count
+                path = self.leases / str(uid)
+                if path.exists():
                     if not self._stale(path, uid):
-                        break
+                        continue
                     path.unlink(missing_ok=True)
-                    continue
-                with os.fdopen(fd, "w") as f:
+                with open(path, "x") as f:
                     f.write(f"{vm_id}\n")
                 return uid
         raise UidsExhausted(f"all {self.count} VMM uids from {self.base} are in use")
@@ -55,19 +53,37 @@ class UidRange:
         tmp.write_text(f"{vm_id}\n{pid}\n")
         tmp.replace(self.leases / str(uid))
 
-    def release(self, uid: int) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            (self.leases / str(uid)).unlink()
+    def release(self, uid: int, vm_id: str | None = None) -> None:
+        """Give `uid` back; with `vm_id`, only if its lease is still that VM's (not taken back
+        as stale and given to another meanwhile)."""
+        path = self.leases / str(uid)
+        with self._locked():
+            if vm_id is not None:
+                try:
+                    if path.read_text().split()[:1] != [vm_id]:
+                        return
+                except OSError:
+                    return
+            path.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.leases.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(self.leases / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
 
     def _stale(self, path: Path, uid: int) -> bool:
+        """No process runs as `uid` (the VMM, or a jailer that dropped to it without telling
+        its pid) and the lease is older than STALE_S (not a VMM being started)."""
         try:
             made = path.stat().st_mtime
-            lines = path.read_text().split()
         except OSError:
             return False
-        if len(lines) >= 2 and lines[1].isdigit() and _runs_as(int(lines[1]), uid):
+        if time.time() - made <= STALE_S:
             return False
-        return time.time() - made > STALE_S
+        return not any(_runs_as(int(p.name), uid) for p in Path("/proc").iterdir()
+                       if p.name.isdigit())  # fmt: skip
 
 
 def _runs_as(pid: int, uid: int) -> bool:
