@@ -38,7 +38,6 @@ def test_a_lease_is_taken_back_only_when_its_vmm_is_gone_and_it_is_old(tmp_path:
             if f"\t{uid}\t" in Path(f"/proc/{proc.pid}/status").read_text():
                 break
             time.sleep(0.01)
-        uids.started(uid, "vm", proc.pid)
         os.utime(lease, (old, old))
         with pytest.raises(UidsExhausted):
             uids.lease("other")

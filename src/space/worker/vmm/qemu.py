@@ -547,10 +547,7 @@ class QemuDriver(Driver):
         finally:
             for fd in ours.values():
                 os.close(fd)
-        record = None
-        if confinement is not None and self.jail is not None:
-            self.jail.started(confinement, config.vm_id, proc.pid)
-            record = confinement.record()
+        record = confinement.record() if confinement is not None else None
         vm = QemuVM(config, run_dir, proc, self.accel, self.jail, record)
         try:
             await vm.connect_qmp()

@@ -93,9 +93,6 @@ class Jail:
         )  # fmt: skip
         return Confinement(uid, name, spec)
 
-    def started(self, confinement: Confinement, vm_id: str, pid: int) -> None:
-        self.uids.started(confinement.uid, vm_id, pid)
-
     def firecracker(
         self, binary: str, chroot_base: Path
     ) -> tuple[Callable[[VMConfig], JailerConfig], Callable[[JailerConfig], None]]:

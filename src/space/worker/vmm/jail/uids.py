@@ -1,9 +1,9 @@
 """A uid (and gid of the same number) for each jailed VMM, from a range the host's workers own.
 
 Leases are files under /run (gone with a reboot, as the VMMs are), made under a lock the host's
-workers share, so that they never hand out one uid twice. A lease names its VM and, once
-started, the VMM's pid; a lease older than `STALE_S` whose uid no process runs as is taken back
-(a jailer drops to the uid without telling us the pid it runs Firecracker as).
+workers share, so that they never hand out one uid twice. A lease names its VM; one older than
+`STALE_S` whose uid no process runs as is taken back (found by uid, not pid: a jailer drops to
+the uid without telling us the pid it runs Firecracker as).
 """
 
 from __future__ import annotations
@@ -46,12 +46,6 @@ class UidRange:
                     f.write(f"{vm_id}\n")
                 return uid
         raise UidsExhausted(f"all {self.count} VMM uids from {self.base} are in use")
-
-    def started(self, uid: int, vm_id: str, pid: int) -> None:
-        """Record the VMM's pid in its lease (what tells a live lease from a stale one)."""
-        tmp = self.leases / f".{uid}.tmp"
-        tmp.write_text(f"{vm_id}\n{pid}\n")
-        tmp.replace(self.leases / str(uid))
 
     def release(self, uid: int, vm_id: str | None = None) -> None:
         """Give `uid` back; with `vm_id`, only if its lease is still that VM's (not taken back
