@@ -796,9 +796,13 @@ def _open_files(config: VMConfig, run_dir: Path, state: Path | None) -> dict[int
 
 
 def _in_host_namespace(tap_fd: int) -> bool:
+    """Whether the tap lives in the worker's own namespace. /proc/self names the thread group,
+    so this holds from a thread that entered another namespace; /proc/1 may be out of reach
+    (a container's init belongs to another user namespace)."""
     netns = tap_namespace(tap_fd)
     try:
-        return os.fstat(netns).st_ino == os.stat("/proc/1/ns/net").st_ino
+        tap, own = os.fstat(netns), os.stat("/proc/self/ns/net")
+        return (tap.st_dev, tap.st_ino) == (own.st_dev, own.st_ino)
     finally:
         os.close(netns)
 
