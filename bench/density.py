@@ -5,6 +5,7 @@ In phases, a fresh platform each, in one run:
     SPACE_WORKER_MAPPED_MEMORY=0)
   - mapped: the base snapshot's memory file mapped by every clone (the default), KSM off
   - mapped+ksm: the same with ksmd merging what clones wrote alike (SPACE_WORKER_KSM=on)
+  - mapped-unjailed: mapped, with VMMs run unconfined (SPACE_WORKER_JAIL=0): the jail's cost
 idle 256 MiB sandboxes are created (each answers one exec, then idles) until admission refuses
 one or `--max` run; at 0, 50 and 100 running (and at the end) it measures
   - PSS per sandbox: the VMM processes' proportional set size, summed over the worker's VMMs
@@ -54,6 +55,12 @@ PHASES: dict[str, dict[str, str]] = {
     "anonymous": {"SPACE_WORKER_MAPPED_MEMORY": "0", "SPACE_WORKER_KSM": "off"},
     "mapped": {"SPACE_WORKER_MAPPED_MEMORY": "1", "SPACE_WORKER_KSM": "off"},
     "mapped+ksm": {"SPACE_WORKER_MAPPED_MEMORY": "1", "SPACE_WORKER_KSM": "on"},
+    # The jail's cost: every phase above runs jailed VMMs (the default).
+    "mapped-unjailed": {
+        "SPACE_WORKER_MAPPED_MEMORY": "1",
+        "SPACE_WORKER_KSM": "off",
+        "SPACE_WORKER_JAIL": "0",
+    },
 }
 
 

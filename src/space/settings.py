@@ -169,6 +169,17 @@ class JailSettings:
 
 
 @dataclass(frozen=True)
+class Shares:
+    """What one sandbox may take of its host's disk and network, so a neighbour flooding either
+    leaves the others their share (0: no limit). Disk: all its drives together, reads and
+    writes together; network: each way, through its tap."""
+
+    disk_mib_s: int = 64
+    disk_iops: int = 1000
+    net_mbit: int = 200
+
+
+@dataclass(frozen=True)
 class WorkerSettings:
     driver: Literal["qemu", "firecracker"] = "qemu"
     accel: Literal["auto", "kvm", "tcg"] = "auto"
@@ -205,6 +216,7 @@ class WorkerSettings:
     control_url: str = ""
     registry: RegistrySettings = field(default_factory=RegistrySettings)
     jail: JailSettings = field(default_factory=JailSettings)
+    shares: Shares = field(default_factory=Shares)
     gateway: GatewayEnv = field(default_factory=GatewayEnv)
 
 
@@ -316,6 +328,11 @@ class Settings:
                     ),
                     pids=e.integer("SPACE_WORKER_JAIL_PIDS", 160, low=32),
                     extra_cpus=e.number("SPACE_WORKER_JAIL_EXTRA_CPUS", 1.0, low=0.0),
+                ),
+                shares=Shares(
+                    disk_mib_s=e.integer("SPACE_WORKER_DISK_MIB_S", 64, low=0),
+                    disk_iops=e.integer("SPACE_WORKER_DISK_IOPS", 1000, low=0),
+                    net_mbit=e.integer("SPACE_WORKER_NET_MBIT", 200, low=0),
                 ),
                 registry=RegistrySettings(
                     url=e.text("SPACE_REGISTRY"),

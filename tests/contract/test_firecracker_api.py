@@ -26,6 +26,7 @@ from typing import Any, cast
 import httpx
 import pytest
 
+from space.settings import Shares
 from space.worker.network import netns
 from space.worker.network.manager import open_tap_device
 from space.worker.vmm.base import (
@@ -598,6 +599,32 @@ async def test_boot_with_extra_drives_adds_them_by_name(
         assert (tmp_path / "run" / "drive0").samefile(volume)
     assert fake.problems() == []
     assert volume.read_bytes() == b"\0" * 4096  # the caller's volume outlives the VM
+
+
+async def test_every_drive_gets_the_disk_share_as_a_rate_limiter(
+    fake: Fake, images: Images, tmp_path: Path
+) -> None:
+    """The worker's disk share reaches each drive as Firecracker's token buckets (the spec's
+    RateLimiter), and a share of 0 sends none."""
+    drives = (Drive(images.rootfs, "vol-a", read_only=True),)
+    config = make_config(images, drives=drives, initrd=None)
+    shares = Shares(disk_mib_s=64, disk_iops=1000, net_mbit=0)
+    vm = await FirecrackerDriver(fake.firecracker, shares=shares).boot(config, tmp_path / "run")
+    async with closing(vm):
+        pid = vm.status().pid
+        assert pid is not None
+        for path in ("/drives/rootfs", "/drives/drive0"):
+            assert fake.body(pid, "PUT", path)["rate_limiter"] == {
+                "bandwidth": {"size": 64 << 20, "refill_time": 1000},
+                "ops": {"size": 1000, "refill_time": 1000},
+            }
+    unlimited = FirecrackerDriver(fake.firecracker, shares=Shares(0, 0, 0))
+    vm = await unlimited.boot(config, tmp_path / "run2")
+    async with closing(vm):
+        pid = vm.status().pid
+        assert pid is not None
+        assert "rate_limiter" not in fake.body(pid, "PUT", "/drives/rootfs")
+    assert fake.problems() == []
 
 
 async def test_boot_refuses_bad_input_before_starting_anything(

@@ -4,7 +4,14 @@ VM's limit, a fork bomb fills only its own guest, and the neighbours keep answer
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
+
+from space.settings import Shares
+from space.worker.network import rules
 
 from ..stack import Platform
 from ..vm.conftest import vmm_pids
@@ -126,3 +133,41 @@ def test_every_vmm_runs_jailed(platform: Platform) -> None:
         assert all(len(v) == len(made) for v in seen.values()), seen
         for sb in made:
             c.delete(f"/v1/sandboxes/{sb['id']}")
+
+
+def test_every_sandbox_gets_its_fair_share(platform: Platform) -> None:
+    """Each VMM's drives are throttled together and each sandbox network shapes both ways, at
+    the worker's shares (their defaults here), which `/v1/workers` and `space admin workers`
+    show."""
+    shares = Shares()
+    with platform.client() as c, platform.client(platform.admin_key) as admin:
+        sb = create(c)
+        worker = platform.worker_id
+        (pid,) = vmm_pids(POOL / worker / "vms" / sb["id"])
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        drives = [a for a in argv if a.startswith("id=root,") or a.startswith("id=drive")]
+        assert drives, argv
+        for drive in drives:
+            assert f"throttling.bps-total={shares.disk_mib_s << 20}" in drive, drive
+            assert f"throttling.iops-total={shares.disk_iops}" in drive, drive
+            assert "throttling.group=disk" in drive, drive
+        netns = f"space-{worker}-{sb['id']}"
+        for link in (rules.GUEST_LINK, rules.HOST_LINK):
+            qdisc = subprocess.run(["tc", "-n", netns, "qdisc", "show", "dev", link],
+                                   capture_output=True, text=True, check=True).stdout  # fmt: skip
+            assert "tbf 1: root" in qdisc and f"rate {shares.net_mbit}Mbit" in qdisc, qdisc
+        deadline = time.monotonic() + 30  # the controller's next probe records them
+        while True:
+            listed = {w["id"]: w for w in admin.get("/v1/workers").json()["items"]}
+            if listed[worker]["shares"]["net_mbit"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert listed[worker]["shares"] == asdict(shares)
+        out = subprocess.run(
+            [sys.executable, "-m", "space.cli.main", "admin", "workers"], env=platform.env,
+            capture_output=True, text=True, timeout=60, check=True, stdin=subprocess.DEVNULL,
+        ).stdout  # fmt: skip
+        expected = (f"{shares.disk_mib_s} MiB/s {shares.disk_iops} IOPS, "
+                    f"{shares.net_mbit} Mbit/s")  # fmt: skip
+        assert expected in out, out
+        c.delete(f"/v1/sandboxes/{sb['id']}")

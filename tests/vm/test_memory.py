@@ -31,8 +31,12 @@ async def hold(m: Machine, mib: int) -> int:
     for _ in range(300):
         if (await m.agent.run("test -e /tmp/held")).exit_code == 0:
             return pid
+        if (await m.agent.run(f"kill -0 {pid}")).exit_code != 0:
+            break  # it died before it held them: the guest's log says why
         await asyncio.sleep(0.1)
-    raise AssertionError(f"the guest did not touch {mib} MiB within 30 s")
+    log = await m.agent.run("free -m; dmesg | tail -n 40")
+    raise AssertionError(f"the guest did not touch {mib} MiB within 30 s:\n"
+                         f"{log.stdout.decode(errors='replace')}")  # fmt: skip
 
 
 def guest_ram(pid: int, memory_mib: int) -> dict[str, int]:

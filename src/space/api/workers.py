@@ -18,6 +18,12 @@ from space.db.store.workers import WorkerLoad
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 
 
+class Shares(BaseModel):
+    disk_mib_s: int = Field(0, description="MiB/s of disk I/O, all its drives together; 0: none")
+    disk_iops: int = Field(0, description="disk operations a second; 0: no limit")
+    net_mbit: int = Field(0, description="Mbit/s each way through its network; 0: no limit")
+
+
 class WorkerInfo(BaseModel):
     id: str
     state: str = Field(description="active, or lost (it stopped answering)")
@@ -39,6 +45,7 @@ class WorkerInfo(BaseModel):
     measured_at: datetime | None
     disk_mib: int = Field(description="what its pool can still promise to sparse disks")
     disk_used_mib: int
+    shares: Shares = Field(description="what one sandbox may take of its disk and network")
 
 
 class WorkerList(BaseModel):
@@ -96,6 +103,7 @@ def describe(workers: Sequence[Row], load: Mapping[str, WorkerLoad]) -> list[Wor
                 measured_at=w["measured_at"],
                 disk_mib=w["capacity_disk_mib"],
                 disk_used_mib=w["used_disk_mib"],
+                shares=Shares(**w["shares"]),
             )
         )
     return sorted(items, key=lambda i: i.id)

@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -22,6 +22,9 @@ from space.db.store import Store, connect
 from space.identity import MAX_WORKER_ID, WORKER_ID
 from space.quotas import UNITS, Quotas
 from space.settings import Settings, new_sealing_key
+
+if TYPE_CHECKING:
+    from space.api.workers import Shares
 
 T = TypeVar("T")
 
@@ -138,12 +141,20 @@ def workers(as_json: bool) -> None:
         print_json([i.model_dump(mode="json") for i in items])
         return
     print_table(
-        ("ID", "STATE", "SANDBOXES", "VCPUS", "MEMORY (MEASURED)", "GUEST RAM", "PROBLEM"),
+        ("ID", "STATE", "SANDBOXES", "VCPUS", "MEMORY (MEASURED)", "GUEST RAM",
+         "EACH SANDBOX: DISK, NET", "PROBLEM"),
         [(i.id, i.state, f"{i.sandboxes} ({i.pool_members} pool)", f"{i.vcpus_used}/{i.vcpus}",
           f"{i.memory_used_mib}/{i.memory_mib} MiB", f"{i.guest_memory_mib} MiB",
-          i.problem or "") for i in items],
+          _shares(i.shares), i.problem or "") for i in items],
         empty="no workers",
     )  # fmt: skip
+
+
+def _shares(s: Shares) -> str:
+    disk = [f"{s.disk_mib_s} MiB/s"] if s.disk_mib_s else []
+    disk += [f"{s.disk_iops} IOPS"] if s.disk_iops else []
+    net = f"{s.net_mbit} Mbit/s" if s.net_mbit else "unlimited"
+    return f"{' '.join(disk) or 'unlimited'}, {net}"
 
 
 @admin.command("drain")

@@ -102,6 +102,7 @@ class WorkerHealth:
             (health.capacity.disk_mib, health.used.disk_mib),
             "; ".join(health.problems) or None, time.monotonic() - asked,
             health.mem_available_mib, health.templates, health.registry,
+            health.shares.model_dump(),
         )  # fmt: skip
         await self._verify(worker, health, rows)
 

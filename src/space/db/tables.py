@@ -69,6 +69,8 @@ workers = sa.Table(
     sa.Column("draining", sa.Boolean, nullable=False, server_default=sa.false()),
     # It pushes to the deployment's registry (its probes say): its sandboxes can move.
     sa.Column("registry", sa.Boolean, nullable=False, server_default=sa.false()),
+    # What one sandbox may take of its disk and network (its probes say; 0: no limit).
+    sa.Column("shares", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     # From its health probes: what each VMM costs beyond its guest's RAM, what its disks may
     # still take, and why it takes no work if it does not (its gateway is down, …).

@@ -43,7 +43,10 @@ async def local_runtime(
         if s.jail.enabled:
             jailer, on_release = Jail(s.jail).firecracker("firecracker", pool.root / "jail")
         driver = FirecrackerDriver(
-            jailer=jailer, on_release=on_release, free_page_reporting=s.free_page_reporting
+            jailer=jailer,
+            on_release=on_release,
+            free_page_reporting=s.free_page_reporting,
+            shares=s.shares,
         )
     else:
         accel = await asyncio.to_thread(
@@ -55,5 +58,6 @@ async def local_runtime(
             free_page_reporting=s.free_page_reporting,
             mapped_memory=s.mapped_memory,
             jail=Jail(s.jail) if s.jail.enabled else None,
+            shares=s.shares,
         )
     return LocalRuntime(pool=pool, images=images, driver=driver)

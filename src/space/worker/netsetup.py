@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ async def start_egress(
     config = await asyncio.to_thread(
         _config, worker_id, worker_dir / SETTINGS_FILE, settings.worker.net_range
     )
+    config = replace(config, rate_mbit=settings.worker.shares.net_mbit)
     state = settings.state_dir / f"gateway-{worker_id}"
     _stop_stale_gateway(state / PID_FILE)
     gw = settings.worker.gateway

@@ -115,6 +115,7 @@ class WorkerQueries(Queries):
         self, worker_id: str, overhead_mib: int, used_memory_mib: int, disk: tuple[int, int],
         problem: str | None, age_s: float = 0.0, mem_available_mib: int | None = None,
         templates: dict[str, str] | None = None, registry: bool = False,
+        shares: dict[str, int] | None = None,
     ) -> None:  # fmt: skip
         """What a probe learnt `age_s` ago: VMM overhead, memory in use as measured, disk
         (capacity, promised), any problem, the host's MemAvailable and the templates it
@@ -123,7 +124,7 @@ class WorkerQueries(Queries):
         values = {"overhead_mib": overhead_mib, "used_memory_mib": used_memory_mib,
                   "capacity_disk_mib": disk[0], "used_disk_mib": disk[1],
                   "problem": problem, "mem_available_mib": mem_available_mib,
-                  "templates": templates or {}, "registry": registry,
+                  "templates": templates or {}, "registry": registry, "shares": shares or {},
                   "heartbeat_at": sa.func.now()}  # fmt: skip
         async with self.engine.begin() as c:
             await c.execute(

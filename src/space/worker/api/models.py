@@ -202,6 +202,14 @@ class Resources(Answer):
     disk_mib: int = 0
 
 
+class Shares(Answer):
+    """What one sandbox may take of the host (0: no limit)."""
+
+    disk_mib_s: int = 0  # its drives together, reads and writes together
+    disk_iops: int = 0
+    net_mbit: int = 0  # each way
+
+
 class Health(Answer):
     """GET /health: the worker's VMs, capacity and use, and whether it can take work."""
 
@@ -220,6 +228,7 @@ class Health(Answer):
     disk_free_mib: int | None = None
     templates: dict[str, str] = Field(default_factory=dict)  # name: digest of its newest build
     registry: bool = False  # it pushes templates and snapshots to the deployment's registry
+    shares: Shares = Field(default_factory=Shares)
 
 
 class Reconcile(Strict):

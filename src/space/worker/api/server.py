@@ -55,6 +55,7 @@ from space.worker.api.models import (
     Reconcile,
     Reconciled,
     Resources,
+    Shares,
     VMCreated,
     VMReport,
     VMStats,
@@ -174,6 +175,14 @@ class WorkerAPI:
 
     # --- lifecycle ---
 
+    def _shares(self) -> Shares:
+        """The limits in force here: the driver's on disks, the network manager's on taps."""
+        disk = self.manager.driver.shares
+        egress = self.manager.egress
+        return Shares(disk_mib_s=disk.disk_mib_s if disk else 0,
+                      disk_iops=disk.disk_iops if disk else 0,
+                      net_mbit=egress.manager.config.rate_mbit if egress else 0)  # fmt: skip
+
     async def health(self, request: Request) -> Response:
         self._fenced(request, required=False)
         m = self.manager
@@ -201,6 +210,7 @@ class WorkerAPI:
             disk_free_mib=m.capacity.free_disk_mib(),
             templates={name: r.digest for name, r in m.records.items()},
             registry=m.artifacts is not None,
+            shares=self._shares(),
         )  # fmt: skip
         return JSONResponse(health.model_dump(mode="json"))
 

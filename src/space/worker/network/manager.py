@@ -47,6 +47,7 @@ class NetworkConfig:
     table: str = "space_gateway"
     proxy_port: int = 15001  # the gateway's transparent TCP port on the host
     dns_port: int = 15053  # the gateway's resolver on the host
+    rate_mbit: int = 0  # each sandbox's bandwidth, each way (0: no limit)
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,11 @@ class NetworkManager:
                     ipr.addr("add", index=h0, address=net.sandbox_ip, prefixlen=30)
                     ipr.link("set", index=g0, state="up")
                     ipr.link("set", index=h0, state="up")
+                    if self.config.rate_mbit:
+                        # What leaves by the tap goes to the guest, what leaves by the veth
+                        # comes from it: a queue on each shapes both ways.
+                        for index in (g0, h0):
+                            _shape(ipr, index, self.config.rate_mbit)
                     ipr.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
                 rules.nft(rules.sandbox_ruleset(net.host_ip))
 
@@ -276,6 +282,14 @@ def tap_device_name(fd: int) -> str:
 def tap_namespace(fd: int) -> int:
     """A new fd on the network namespace the tap behind `fd` lives in; the caller closes it."""
     return fcntl.ioctl(fd, TUNGETDEVNETNS)
+
+
+def _shape(ipr: IPRoute, index: int, mbit: int) -> None:
+    """A token bucket on the link's egress. Its burst holds a whole offloaded segment (64 KiB
+    and more: a smaller bucket would drop every one) and 10 ms at the rate."""
+    burst = max(256 << 10, mbit * 125_000 // 100)
+    ipr.tc("add", "tbf", index=index, handle="1:", rate=f"{mbit}mbit", burst=burst,
+           latency="50ms")  # fmt: skip
 
 
 def _make_tap(name: str) -> None:

@@ -63,6 +63,9 @@ class Capacity:
         self.memory_mib = memory_mib or mem_total_mib() * 3 // 4
         self.reserve_mib = min(reserve_mib, self.memory_mib // 2)
         self.disk_overcommit = disk_overcommit
+        # Set while the pool has run out (`fullpool.py`): the room it has is its reserve, there
+        # for the guests already running.
+        self.pool_full = False
         self.overhead_mib = OVERHEAD_FLOOR_MIB
         self.pss_mib: dict[str, int] = {}  # VM id → its VMM's PSS at the last measurement
         self._reserved: dict[str, Claim] = {}
@@ -120,7 +123,7 @@ class Capacity:
         if want_mib <= 0:
             return
         free = self.free_disk_mib()
-        if free < FULL_MIB:
+        if free < FULL_MIB or self.pool_full:
             raise NoRoom(f"the worker's pool is full: {free} MiB free")
         limit = int(free * self.disk_overcommit)
         if growth_mib + want_mib > limit:
@@ -128,6 +131,16 @@ class Capacity:
                 f"no room for {want_mib} MiB of disk: the pool has {free} MiB free and admits "
                 f"{self.disk_overcommit:g}x that, and its disks may already grow by "
                 f"{growth_mib} MiB"
+            )
+
+    def check_snapshot(self, memory_mib: int) -> None:
+        """Refuse a snapshot of a guest of `memory_mib` the pool has no room for, before the
+        guest is paused for it: a full pool leaves it running, untouched."""
+        free = self.free_disk_mib()
+        if free < memory_mib + FULL_MIB or self.pool_full:
+            raise NoRoom(
+                f"no room on the worker's pool for a snapshot of {memory_mib} MiB of memory: "
+                f"{free} MiB free"
             )
 
     # --- measured overhead --------------------------------------------------------------------

@@ -9,7 +9,8 @@ At start (`adopt_all`), every run directory is one of:
 
 While the worker runs (`Watch`), every VMM is asked its state with a short deadline: one that
 does not answer is `unresponsive` until it does; one QEMU stopped on a write error (a full
-pool) is reported, and continued once the pool has room again.
+pool) is reported, and continued once the pool has room again; guests see their disks full
+meanwhile (`fullpool.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from space.worker.agent_client import AgentClient, AgentError
 from space.worker.machine import DISK, Machine
 from space.worker.sandboxes import suspension
 from space.worker.sandboxes.capacity import FULL_MIB
+from space.worker.sandboxes.fullpool import FullPool
 from space.worker.sandboxes.records import SANDBOX_FILE, UNREADABLE, SandboxVM
 from space.worker.vmm.base import VMMError, VMState
 from space.worker.vmm.process import VMMProcess, vmm_pids
@@ -149,10 +151,12 @@ class Watch:
 
     def __init__(self, manager: VMManager) -> None:
         self.manager = manager
+        self.full_pool = FullPool(manager)
         self._last_retry = 0.0
         self._last_measure = 0.0
 
     async def run(self) -> None:
+        await self.full_pool.take_reserve()
         while True:
             try:
                 await self.once()
@@ -168,6 +172,7 @@ class Watch:
             # 30 s by itself): commit now, so a stopped guest goes on as soon as it can.
             await asyncio.to_thread(os.sync)
         await asyncio.gather(*(self._probe(sb) for sb in vms if _watched(sb)))
+        await self.full_pool.check(vms)
         if now - self._last_retry >= RETRY_ADOPT_S:
             self._last_retry = now
             for sb in vms:

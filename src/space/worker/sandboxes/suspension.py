@@ -43,6 +43,7 @@ UNRESTORABLE = ".unrestorable-"
 
 async def suspend(manager: VMManager, sb: SandboxVM) -> SandboxVM:
     machine = sb.live_machine("suspend")
+    manager.capacity.check_snapshot(sb.spec.memory_mib)
     # Stopped by an I/O error counts as running: if the snapshot fails, the guest goes on (and
     # QEMU stops it again if the pool is still full).
     was_running = sb.state == "running" or machine.io_error is not None

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from space.settings import Shares
+
 SNAPSHOT_MANIFEST = "snapshot.json"
 SNAPSHOT_DISK = "disk.img"
 # Guest RAM as a file: a snapshot source's own in its run directory, then its snapshot's.
@@ -295,6 +297,8 @@ class Driver(abc.ABC):
     # Boot snapshot sources with their RAM in a file, which their snapshots keep and restores
     # map (VMConfig.memory_file); otherwise such a config's file is ignored.
     mapped_memory: bool = False
+    # What each VM may take of the host's disk (its drives together); None: no limit.
+    shares: Shares | None = None
 
     @property
     def shares_snapshot_memory(self) -> bool:

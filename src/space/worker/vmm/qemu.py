@@ -26,6 +26,7 @@ from typing import Any
 from qemu.qmp import QMPClient
 
 from space.guest.protocol import AGENT_PORT_NAME
+from space.settings import Shares
 from space.worker.network.manager import open_tap_device, tap_namespace
 from space.worker.storage.reflink import clone_file
 from space.worker.vmm.base import (
@@ -411,6 +412,7 @@ class QemuDriver(Driver):
         free_page_reporting: bool = True,
         mapped_memory: bool = True,
         jail: Jail | None = None,
+        shares: Shares | None = None,
     ) -> None:
         if accel not in ("tcg", "kvm"):
             raise ValueError(f"accel must be 'tcg' or 'kvm', not {accel!r}")
@@ -420,6 +422,7 @@ class QemuDriver(Driver):
         self.free_page_reporting = free_page_reporting
         self.mapped_memory = mapped_memory
         self.jail = jail
+        self.shares = shares
 
     def _cmdline(self, config: VMConfig) -> str:
         cmdline = config.kernel_cmdline("ttyS0")
@@ -447,6 +450,7 @@ class QemuDriver(Driver):
         else:
             # A bounded translation cache keeps each TCG VM's host memory small.
             accel = ["-accel", "tcg,tb-size=64", "-cpu", "max"]
+        drive_options = DRIVE_OPTIONS + _throttling(self.shares)
         argv = [
             self.binary,
             "-name", f"space-{config.vm_id}",
@@ -461,7 +465,7 @@ class QemuDriver(Driver):
             # argv, which every user of the host can read in /proc.
             "-readconfig", str(run_dir / CONFIG_FILE),
             *_fd_file(DISK_FD, config.rootfs, both=True),
-            "-drive", f"id=root,file=/dev/fdset/{DISK_FD},{DRIVE_OPTIONS},discard=unmap",
+            "-drive", f"id=root,file=/dev/fdset/{DISK_FD},{drive_options},discard=unmap",
             "-device", "virtio-blk-device,drive=root",
             "-device", "virtio-serial-device,max_ports=2",
             "-chardev", f"socket,id=agent,fd={AGENT_FD},server=on,wait=off",
@@ -487,7 +491,7 @@ class QemuDriver(Driver):
             ro = ",readonly=on" if drive.read_only else ""
             argv += [
                 *_fd_file(fd, drive.path, both=not drive.read_only),
-                "-drive", f"id={DRIVE_ID}{i},file=/dev/fdset/{fd},{DRIVE_OPTIONS}{ro}",
+                "-drive", f"id={DRIVE_ID}{i},file=/dev/fdset/{fd},{drive_options}{ro}",
                 "-device", f"virtio-blk-device,drive={DRIVE_ID}{i},serial={drive.serial}",
             ]  # fmt: skip
         if config.has_nic:
@@ -793,6 +797,18 @@ def _open_files(config: VMConfig, run_dir: Path, state: Path | None) -> dict[int
             os.close(fd)
         raise
     return fds
+
+
+def _throttling(shares: Shares | None) -> str:
+    """Every drive of a VM in one throttle group: the limits hold for all its disks together."""
+    if shares is None or not (shares.disk_mib_s or shares.disk_iops):
+        return ""
+    options = ",throttling.group=disk"
+    if shares.disk_mib_s:
+        options += f",throttling.bps-total={shares.disk_mib_s << 20}"
+    if shares.disk_iops:
+        options += f",throttling.iops-total={shares.disk_iops}"
+    return options
 
 
 def _in_host_namespace(tap_fd: int) -> bool:

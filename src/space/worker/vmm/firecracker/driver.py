@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
+from space.settings import Shares
 from space.worker.network.manager import tap_device_name, tap_namespace
 from space.worker.vmm.base import (
     SNAPSHOT_DISK,
@@ -44,10 +45,12 @@ from space.worker.vmm.base import (
 )
 from space.worker.vmm.firecracker.client import (
     BootSource,
+    Drive,
     FirecrackerClient,
     FirecrackerConnectionError,
     LogLevel,
     NetworkInterface,
+    RateLimiter,
     SnapshotLoadParams,
     socket_path,
 )
@@ -116,8 +119,10 @@ class FirecrackerDriver(Driver):
         start_timeout: float = 10.0,
         vsock_timeout: float = 5.0,
         free_page_reporting: bool = True,
+        shares: Shares | None = None,
     ) -> None:
         self.firecracker_bin = firecracker_bin
+        self.shares = shares
         self.free_page_reporting = free_page_reporting
         self.jailer = jailer
         self.on_release = on_release  # once a jail this driver made is gone (its uid, cgroup)
@@ -158,23 +163,11 @@ class FirecrackerDriver(Driver):
             if config.initrd is not None:
                 boot_source["initrd_path"] = INITRD
             await client.put_boot_source(boot_source)
-            await client.put_drive(
-                {
-                    "drive_id": ROOT_DRIVE_ID,
-                    "path_on_host": ROOTFS,
-                    "is_root_device": True,
-                    "is_read_only": False,
-                }
-            )
+            limiter = _disk_limiter(self.shares)
+            await client.put_drive(_drive(ROOT_DRIVE_ID, ROOTFS, limiter, root=True))
             for i, drive in enumerate(config.drives):
-                await client.put_drive(
-                    {
-                        "drive_id": f"{DRIVE_ID}{i}",
-                        "path_on_host": f"{DRIVE_ID}{i}",
-                        "is_root_device": False,
-                        "is_read_only": drive.read_only,
-                    }
-                )
+                name = f"{DRIVE_ID}{i}"
+                await client.put_drive(_drive(name, name, limiter, read_only=drive.read_only))
             if config.tap_device:
                 iface: NetworkInterface = {"iface_id": IFACE_ID, "host_dev_name": config.tap_device}
                 if config.guest_mac:
@@ -831,6 +824,33 @@ def _exit_reason(code: int) -> str:
             name = "unknown signal"
         return f"VMM process killed by signal {-code} ({name})"
     return f"VMM process exited with code {code}"
+
+
+def _disk_limiter(shares: Shares | None) -> RateLimiter | None:
+    """Firecracker limits each drive on its own: its token buckets refill once a second."""
+    if shares is None or not (shares.disk_mib_s or shares.disk_iops):
+        return None
+    limiter: RateLimiter = {}
+    if shares.disk_mib_s:
+        limiter["bandwidth"] = {"size": shares.disk_mib_s << 20, "refill_time": 1000}
+    if shares.disk_iops:
+        limiter["ops"] = {"size": shares.disk_iops, "refill_time": 1000}
+    return limiter
+
+
+def _drive(
+    drive_id: str,
+    path: str,
+    limiter: RateLimiter | None,
+    *,
+    root: bool = False,
+    read_only: bool = False,
+) -> Drive:
+    drive: Drive = {"drive_id": drive_id, "path_on_host": path, "is_root_device": root,
+                    "is_read_only": read_only}  # fmt: skip
+    if limiter is not None:
+        drive["rate_limiter"] = limiter
+    return drive
 
 
 def _drive_files(config: VMConfig) -> list[tuple[Path, str, bool]]:
