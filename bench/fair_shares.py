@@ -65,8 +65,11 @@ for _ in range(n):
 print(json.dumps({"reads": reads, "writes": writes}))
 """
 # Direct I/O so the guest's page cache cannot absorb it: every byte reaches the host.
-NOISE = ("while :; do dd if=/dev/zero of=/root/noise bs=1M count=128 oflag=direct 2>/dev/null;"
-         " dd if=/root/noise of=/dev/null bs=1M iflag=direct 2>/dev/null; done")  # fmt: skip
+NOISE = ("n=0; while :; do dd if=/dev/zero of=/root/noise bs=1M count=128 oflag=direct"
+         " 2>/dev/null; dd if=/root/noise of=/dev/null bs=1M iflag=direct 2>/dev/null;"
+         " n=$((n+1)); echo $n > /root/rounds; done")  # fmt: skip
+NOISE_ROUND_MB = 2 * 128 * 1.048576  # written and read back, per round
+
 DOWNLOAD = """
 import http.client, json, sys, time
 n, size, loop = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "loop"
@@ -99,18 +102,27 @@ async def disk_phase(rt: LocalRuntime, shares: Shares, samples: int) -> dict[str
         noise = asyncio.ensure_future(noisy.agent.run(["timeout", "900", "sh", "-c", NOISE],
                                                       timeout=1000))  # fmt: skip
         await asyncio.sleep(3)  # at full pressure before the quiet guest starts
+        started = time.monotonic()
+        rounds = await noisy.agent.run(["cat", "/root/rounds"], timeout=60)
         loaded = json.loads((await quiet.agent.run(probe, timeout=900)).stdout)
+        after = await noisy.agent.run(["cat", "/root/rounds"], timeout=60)
+        noise_mb_s = (
+            (int(after.stdout or 0) - int(rounds.stdout or 0))
+            * NOISE_ROUND_MB
+            / (time.monotonic() - started)
+        )
         noise.cancel()
     finally:
         await quiet.close()
         await noisy.close()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"noisy_mb_s": round(noise_mb_s, 1)}
     for kind in ("reads", "writes"):
         out[f"{kind}_alone"] = percentiles(alone[kind])
         out[f"{kind}_loaded"] = percentiles(loaded[kind])
-        out[f"{kind}_p50_ratio"] = round(
-            out[f"{kind}_loaded"]["p50_ms"] / out[f"{kind}_alone"]["p50_ms"], 2
-        )
+        for q in ("p50", "p99"):
+            out[f"{kind}_{q}_ratio"] = round(
+                out[f"{kind}_loaded"][f"{q}_ms"] / out[f"{kind}_alone"][f"{q}_ms"], 2
+            )
     return out
 
 
@@ -163,11 +175,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     lines = ["what the quiet sandbox sees     shared   unlimited   (loaded / alone)"]
     rows = (("4 KiB random read p50", "disk", "reads_p50_ratio"),
+            ("4 KiB random read p99", "disk", "reads_p99_ratio"),
             ("4 KiB write+fsync p50", "disk", "writes_p50_ratio"),
+            ("4 KiB write+fsync p99", "disk", "writes_p99_ratio"),
             ("download throughput drop", "network", "throughput_ratio"))  # fmt: skip
     for label, part, field in rows:
         s, u = (results[f"{part}_{x}"][field] for x in ("shared", "unlimited"))
         lines.append(f"{label:<30} {s:>6}x   {u:>8}x")
+    s, u = (results[f"disk_{x}"]["noisy_mb_s"] for x in ("shared", "unlimited"))
+    lines.append(f"{'noisy neighbour disk, MB/s':<30} {s:>7}   {u:>9}")
     return "\n".join(lines)
 
 
