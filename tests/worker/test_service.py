@@ -24,6 +24,7 @@ import pytest
 import wsproto.events as wse
 from httpx_ws import WebSocketUpgradeError, aconnect_ws
 
+from space import release
 from space.worker.api.server import serve
 from space.worker.local import LocalRuntime
 from space.worker.sandboxes import VMManager, VMManagerError
@@ -190,6 +191,27 @@ async def test_lifecycle_calls_are_fenced_by_the_leaders_epoch(worker: Worker) -
     # The fence is on disk: a restarted worker still refuses the old leader.
     assert (worker.manager.root / "epoch").read_text() == "7"
     AUTH["Space-Epoch"] = worker.http.headers["Space-Epoch"] = "7"  # for the tests after this
+
+
+async def test_releases_one_minor_apart_work_together(worker: Worker, vm: str) -> None:
+    """A caller's release rides on every call: one minor release apart is served (members a
+    newer one adds are left out), further is refused naming both; /health answers anyone."""
+    major, minor, _ = release.parse(release.VERSION)
+    next_one, too_far = f"{major}.{minor + 1}.0", f"{major}.{minor + 2}.0"
+    health = await worker.http.get("/health", headers={release.HEADER: too_far})
+    assert health.status_code == 200 and health.json()["version"] == release.VERSION
+    assert health.headers[release.HEADER] == release.VERSION
+    refused = await worker.http.delete("/vms/x", headers={release.HEADER: too_far})
+    assert refused.status_code == 426 and refused.json()["code"] == "incompatible_release"
+    assert too_far in refused.json()["detail"] and release.VERSION in refused.json()["detail"]
+    body = {"cmd": "echo same", "member_of_a_later_release": True}
+    newer = await worker.http.post(f"/vms/{vm}/exec", json=body,
+                                   headers={release.HEADER: next_one})  # fmt: skip
+    assert newer.status_code == 200, newer.text
+    assert stdout_of([json.loads(x) for x in newer.text.splitlines()]) == b"same\n"
+    for same in ({release.HEADER: release.VERSION}, {}):  # none: an 0.1 control plane
+        typo = await worker.http.post(f"/vms/{vm}/exec", json=body, headers=same)
+        assert typo.status_code == 400 and "member_of_a_later_release" in typo.text, typo.text
 
 
 async def test_create_restores_the_base_snapshot_and_is_idempotent(worker: Worker, vm: str) -> None:

@@ -116,7 +116,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok", "version": __version__}
 
     return app
 

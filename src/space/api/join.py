@@ -15,6 +15,7 @@ from space.api.deps import Svc, bearer
 from space.api.errors import APIError
 from space.db.store import Row
 from space.identity import MAX_CSR, MAX_WORKER_ID, WORKER_ID, IdentityError
+from space.release import refusal
 from space.worker.api.client import Worker, WorkerError
 from space.worker.registration import Heartbeat, Registration
 
@@ -72,13 +73,22 @@ async def register(
     try:
         health = await svc.workers.health(Worker(worker_id, body.url), timeout=CALL_BACK_S)
     except WorkerError as e:
+        if e.status == 426:  # it refuses our release: its reason names both
+            raise APIError(426, e.detail) from None
         # Its own transport error, never the body of what answered there (whatever that is).
         why = f"it answered HTTP {e.status}" if e.status else str(e)
         raise APIError(502, f"the worker was not reached at {body.url}: {why}"[:1000]) from None
     if health.worker_id != worker_id or health.instance != body.instance:
         raise APIError(409, f"another worker process answers at {body.url}")
+    if reason := refusal(health.version, "worker"):
+        raise APIError(426, reason)
     await svc.store.register_worker(
-        worker_id, body.url, body.instance, health.capacity.vcpus, health.capacity.memory_mib
+        worker_id,
+        body.url,
+        body.instance,
+        health.capacity.vcpus,
+        health.capacity.memory_mib,
+        health.version,
     )
     return Response(status_code=200)
 

@@ -46,6 +46,7 @@ class WorkerInfo(BaseModel):
     disk_mib: int = Field(description="what its pool can still promise to sparse disks")
     disk_used_mib: int
     shares: Shares = Field(description="what one sandbox may take of its disk and network")
+    version: str = Field(description="its release")
 
 
 class WorkerList(BaseModel):
@@ -104,6 +105,7 @@ def describe(workers: Sequence[Row], load: Mapping[str, WorkerLoad]) -> list[Wor
                 disk_mib=w["capacity_disk_mib"],
                 disk_used_mib=w["used_disk_mib"],
                 shares=Shares(**w["shares"]),
+                version=w["version"],
             )
         )
     return sorted(items, key=lambda i: i.id)

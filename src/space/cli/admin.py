@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from space.cli import backups
 from space.cli.output import json_option, print_json, print_table
 from space.db import embedded, migrate
 from space.db.sealing import Sealer, SealError
@@ -46,6 +47,9 @@ def _run(fn: Callable[[Store], Awaitable[T]]) -> T:
 @click.group()
 def admin() -> None:
     """Tenants and API keys (operators only: this talks to the database directly)."""
+
+
+backups.register(admin)
 
 
 @admin.command("migrate")
@@ -141,9 +145,10 @@ def workers(as_json: bool) -> None:
         print_json([i.model_dump(mode="json") for i in items])
         return
     print_table(
-        ("ID", "STATE", "SANDBOXES", "VCPUS", "MEMORY (MEASURED)", "GUEST RAM",
+        ("ID", "RELEASE", "STATE", "SANDBOXES", "VCPUS", "MEMORY (MEASURED)", "GUEST RAM",
          "EACH SANDBOX: DISK, NET", "PROBLEM"),
-        [(i.id, i.state, f"{i.sandboxes} ({i.pool_members} pool)", f"{i.vcpus_used}/{i.vcpus}",
+        [(i.id, i.version, i.state, f"{i.sandboxes} ({i.pool_members} pool)",
+          f"{i.vcpus_used}/{i.vcpus}",
           f"{i.memory_used_mib}/{i.memory_mib} MiB", f"{i.guest_memory_mib} MiB",
           _shares(i.shares), i.problem or "") for i in items],
         empty="no workers",

@@ -27,6 +27,7 @@ from space.controller.leader import LostLeadership
 from space.db.sealing import Sealer, SealError
 from space.db.store import Conflict, NotFound, Refused, Row, Store
 from space.netpolicy import policy_for
+from space.release import refusal
 from space.worker.api.client import Worker, WorkerClient, WorkerError
 from space.worker.api.models import Health, VMReport
 
@@ -97,12 +98,14 @@ class WorkerHealth:
         if w["state"] != "active":
             log.info("worker %s answers again", w["id"])
             await self.store.set_worker_state(w["id"], "active")
+        # A worker of a release this one does not work with takes no work (it says why).
+        problems = [*health.problems, *filter(None, [refusal(health.version, "worker")])]
         await self.store.worker_health(
             w["id"], health.overhead_mib, health.used.memory_mib,
             (health.capacity.disk_mib, health.used.disk_mib),
-            "; ".join(health.problems) or None, time.monotonic() - asked,
+            "; ".join(problems) or None, time.monotonic() - asked,
             health.mem_available_mib, health.templates, health.registry,
-            health.shares.model_dump(),
+            health.shares.model_dump(), health.version,
         )  # fmt: skip
         await self._verify(worker, health, rows)
 

@@ -67,11 +67,21 @@ async def _each(
 
 
 async def collect_garbage(store: Store, workers: WorkerClient) -> None:
-    """Each live worker drops the VMs and snapshots the database no longer wants."""
+    """Each live worker drops the VMs and snapshots the database no longer wants. A sandbox no
+    row has ever named (the database was restored from a backup older than it) may hold a
+    tenant's work: it is kept and reported as a stray until an operator discards it."""
 
     async def one(w: Row) -> None:
-        keep = [r["id"] for r in await store.on_worker(w["id"])]
-        result = await workers.reconcile(Worker(w["id"], w["url"]), keep)
+        worker = Worker(w["id"], w["url"])
+        keep = {r["id"] for r in await store.on_worker(w["id"])}
+        held = {vm.id for vm in (await workers.health(worker)).vms}
+        strays = await store.unknown_sandboxes(held - keep)
+        discarded = await store.found_strays(w["id"], strays)
+        if strays - discarded:
+            log.warning("worker %s holds sandboxes the database does not know, kept until an "
+                        "operator decides (space admin strays): %s", w["id"],
+                        sorted(strays - discarded))  # fmt: skip
+        result = await workers.reconcile(worker, sorted(keep | (strays - discarded)))
         if result.removed:
             log.info("worker %s removed strays: %s", w["id"], result.removed)
 

@@ -71,6 +71,8 @@ workers = sa.Table(
     sa.Column("registry", sa.Boolean, nullable=False, server_default=sa.false()),
     # What one sandbox may take of its disk and network (its probes say; 0: no limit).
     sa.Column("shares", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    # Its release (space.release), as it registered and its probes say.
+    sa.Column("version", sa.Text, nullable=False, server_default="0.1.0"),
     sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     # From its health probes: what each VMM costs beyond its guest's RAM, what its disks may
     # still take, and why it takes no work if it does not (its gateway is down, …).
@@ -226,6 +228,16 @@ template_builds = sa.Table(
     # key: a checkpoint deleted before the build starts fails the build, it does not vanish it.
     sa.Column("checkpoint_id", sa.Text),
     sa.Column("requested_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+# Sandboxes a worker holds that no row has ever named (db/store/strays.py).
+strays = sa.Table(
+    "strays",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("worker_id", sa.Text, nullable=False),
+    sa.Column("found_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("discarded", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
 leases = sa.Table(

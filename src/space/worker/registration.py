@@ -15,6 +15,9 @@ import logging
 import httpx
 from pydantic import BaseModel, Field
 
+from space.release import HEADER as RELEASE_HEADER
+from space.release import VERSION
+
 log = logging.getLogger(__name__)
 
 INSTANCE = r"^[0-9a-f]{8,64}$"
@@ -45,7 +48,8 @@ class ControlPlane:
         self.instance = instance
         self._base = f"{url.rstrip('/')}/v1/workers/{worker_id}"
         self._http = httpx.AsyncClient(
-            headers={"Authorization": f"Bearer {secret}"}, timeout=REGISTER_S
+            headers={"Authorization": f"Bearer {secret}", RELEASE_HEADER: VERSION},
+            timeout=REGISTER_S,
         )
 
     async def close(self) -> None:
@@ -54,7 +58,7 @@ class ControlPlane:
     async def run(self, url: str) -> None:
         """Register, then keep asking; returns once another process has registered."""
         await self.register(url)
-        await self.heartbeats()
+        await self.heartbeats(url)
 
     async def register(self, url: str) -> None:
         """Until the API has it registered (the API may be starting, or away for a moment)."""
@@ -70,16 +74,18 @@ class ControlPlane:
                     log.info("registered at %s as %s", self._base, url)
                     return
                 why = f"{r.status_code}: {_detail(r)}"
-                if r.status_code in (400, 401, 403, 404, 422):
+                if r.status_code in (400, 401, 403, 404, 422, 426):
                     raise Refused(f"the API refused this worker's registration ({why})")
             delay = RETRY_S[min(tries, len(RETRY_S) - 1)]
             tries += 1
             log.warning("not registered yet (%s); trying again in %g s", why, delay)
             await asyncio.sleep(delay)
 
-    async def heartbeats(self) -> None:
+    async def heartbeats(self, url: str) -> None:
         """Returns once another process has registered under this id; an API that does not
-        answer stops nothing."""
+        answer stops nothing. A database restored from a backup names an earlier process of
+        this worker: this one registers again, which the API allows only when no other
+        process of the id answers."""
         body = Heartbeat(instance=self.instance).model_dump()
         while True:
             await asyncio.sleep(HEARTBEAT_S)
@@ -89,7 +95,19 @@ class ControlPlane:
                 log.warning("heartbeat not answered: %s", e)
                 continue
             if r.status_code == 409:
-                log.error("another process registered as this worker; stopping")
+                try:
+                    again = await self._http.post(
+                        f"{self._base}/register",
+                        json=Registration(url=url, instance=self.instance).model_dump(),
+                    )
+                except httpx.HTTPError as e:
+                    log.warning("registering again not answered: %s", e)
+                    continue
+                if again.status_code == 200:
+                    log.warning("the API knew an earlier process of this worker: registered again")
+                    continue
+                log.error("another process registered as this worker (%s); stopping",
+                          _detail(again))  # fmt: skip
                 return
             if r.status_code != 204:
                 log.warning("heartbeat refused (%s: %s)", r.status_code, _detail(r))

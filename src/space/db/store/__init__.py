@@ -29,6 +29,7 @@ from space.db.store.pools import PoolQueries
 from space.db.store.quotas import QuotaQueries
 from space.db.store.sandboxes import SandboxQueries
 from space.db.store.secrets import SecretQueries
+from space.db.store.strays import StrayQueries
 from space.db.store.templates import TemplateQueries
 from space.db.store.tenants import KEY_PREFIX, TenantQueries, key_id_of
 from space.db.store.volumes import VolumeQueries
@@ -43,6 +44,7 @@ class Store(
     QuotaQueries,
     SandboxQueries,
     SecretQueries,
+    StrayQueries,
     VolumeQueries,
     WorkerQueries,
     LeaseQueries,

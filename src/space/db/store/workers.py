@@ -12,6 +12,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from space.db import tables as t
 from space.db.store.base import Queries, Row
 from space.db.store.tenants import _sha256
+from space.release import UNVERSIONED
 
 JOIN_PREFIX = "sj_"
 
@@ -63,9 +64,11 @@ class WorkerQueries(Queries):
             return res.rowcount == 1
 
     async def register_worker(
-        self, worker_id: str, url: str, instance: str, vcpus: int, memory_mib: int
-    ) -> None:
+        self, worker_id: str, url: str, instance: str, vcpus: int, memory_mib: int,
+        version: str = UNVERSIONED,
+    ) -> None:  # fmt: skip
         values = {
+            "version": version,
             "url": url,
             "state": "active",
             "instance": instance,
@@ -115,7 +118,7 @@ class WorkerQueries(Queries):
         self, worker_id: str, overhead_mib: int, used_memory_mib: int, disk: tuple[int, int],
         problem: str | None, age_s: float = 0.0, mem_available_mib: int | None = None,
         templates: dict[str, str] | None = None, registry: bool = False,
-        shares: dict[str, int] | None = None,
+        shares: dict[str, int] | None = None, version: str = UNVERSIONED,
     ) -> None:  # fmt: skip
         """What a probe learnt `age_s` ago: VMM overhead, memory in use as measured, disk
         (capacity, promised), any problem, the host's MemAvailable and the templates it
@@ -125,6 +128,7 @@ class WorkerQueries(Queries):
                   "capacity_disk_mib": disk[0], "used_disk_mib": disk[1],
                   "problem": problem, "mem_available_mib": mem_available_mib,
                   "templates": templates or {}, "registry": registry, "shares": shares or {},
+                  "version": version,
                   "heartbeat_at": sa.func.now()}  # fmt: skip
         async with self.engine.begin() as c:
             await c.execute(

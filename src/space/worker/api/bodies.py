@@ -3,11 +3,13 @@ refused as problem+json naming what was wrong."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from space.release import HEADER, newer
 from space.worker.api.models import MAX_CONTEXT_B64
 
 MAX_JSON_BODY = MAX_CONTEXT_B64 + (1 << 20)  # the largest body a call takes: a build context
@@ -26,10 +28,19 @@ class Problem(Exception):
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse(model: type[M], raw: bytes | str) -> M:
+def parse(model: type[M], raw: bytes | str, newer_sender: bool = False) -> M:
+    """`raw` as `model`. From a newer release, members this one does not know are left out
+    (a release adds only members its predecessor may ignore); from any other, refused."""
     try:
+        if newer_sender:
+            data = json.loads(raw)
+            if isinstance(data, dict):
+                known = {f.alias or name for name, f in model.model_fields.items()}
+                raw = json.dumps({k: v for k, v in data.items() if k in known})
         return model.model_validate_json(raw)
-    except ValidationError as e:
+    except ValueError as e:
+        if not isinstance(e, ValidationError):
+            raise Problem(400, f"invalid request body: {e}") from None
         errors = [
             {"loc": ".".join(str(x) for x in err["loc"]) or "body", "msg": err["msg"]}
             for err in e.errors(include_url=False)
@@ -48,4 +59,4 @@ async def read_body(model: type[M], request: Request) -> M:
         body += chunk
         if len(body) > MAX_JSON_BODY:
             raise Problem(413, f"a body over {MAX_JSON_BODY} bytes")
-    return parse(model, bytes(body) or b"{}")
+    return parse(model, bytes(body) or b"{}", newer(request.headers.get(HEADER)))

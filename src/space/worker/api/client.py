@@ -24,6 +24,8 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from space import logs
 from space.gateway.policy import Policy
 from space.identity import worker_name
+from space.release import HEADER as RELEASE_HEADER
+from space.release import VERSION
 from space.worker.api.models import (
     EPOCH_HEADER,
     AdoptVM,
@@ -140,7 +142,7 @@ class WorkerClient:
         self._new_pool = partial(
             httpx.AsyncClient,
             timeout=httpx.Timeout(QUICK_S, connect=CONNECT_S),
-            headers={"Authorization": f"Bearer {secret}"},
+            headers={"Authorization": f"Bearer {secret}", RELEASE_HEADER: VERSION},
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
             verify=tls if tls is not None else True,
             event_hooks={"request": [_carry_context]},

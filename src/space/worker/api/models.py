@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from space.gateway.policy import Policy
+from space.release import UNVERSIONED
 
 EPOCH_HEADER = "Space-Epoch"
 NDJSON = "application/x-ndjson"
@@ -215,6 +216,7 @@ class Health(Answer):
 
     worker_id: str
     instance: str = ""
+    version: str = UNVERSIONED  # its release (space.release): what an older worker did not say
     epoch: int = 0  # the newest leader epoch this worker has seen
     healthy: bool = True
     problems: list[str] = Field(default_factory=list)  # why it is not healthy, if it is not

