@@ -24,6 +24,7 @@ from typing import Any
 
 import zstandard
 
+from space.worker import formats
 from space.worker.templates import oci
 from space.worker.templates.errors import ImageError
 
@@ -93,7 +94,7 @@ def compress(data: bytes) -> bytes:
 def config(kind: str, files: list[FileEntry], meta: dict[str, Any]) -> bytes:
     body = {"kind": kind, "meta": meta,
             "files": [{"path": f.path, "size": f.size, "mode": f.mode} for f in files]}  # fmt: skip
-    return json.dumps(body, sort_keys=True).encode()
+    return json.dumps(formats.stamp("bundle", body), sort_keys=True).encode()
 
 
 def chunk_descriptor(digest: str, size: int, chunk: Chunk) -> dict[str, Any]:
@@ -143,10 +144,13 @@ def layout(config_blob: bytes, doc: oci.Manifest, kind: str) -> Layout:
     """What a pulled manifest and config say to write, checked."""
     try:
         body = json.loads(config_blob)
+        formats.check("bundle", body, "bundle config")
         files = [FileEntry(_relative(f["path"]), int(f["size"]), int(f["mode"]) & 0o777)
                  for f in body["files"]]  # fmt: skip
         meta = dict(body.get("meta") or {})
         found = str(body["kind"])
+    except formats.FormatError as e:
+        raise ImageError(str(e)) from None
     except (ValueError, KeyError, TypeError) as e:
         raise ImageError(f"bundle: its config does not parse: {e}") from None
     if found != kind:

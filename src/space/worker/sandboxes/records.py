@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from space.worker import formats
 from space.worker.machine import Machine
 from space.worker.sandboxes.errors import WrongState
 from space.worker.vmm.base import VMState
@@ -185,11 +186,12 @@ class SandboxVM:
     def save(self, directory: Path) -> None:
         record = {"spec": asdict(self.spec), "boot": self.boot, "took_ms": self.took_ms,
                   "reboots": self.reboots}  # fmt: skip
-        write_durable(directory / SANDBOX_FILE, json.dumps(record))
+        write_durable(directory / SANDBOX_FILE, json.dumps(formats.stamp("sandbox", record)))
 
     @classmethod
     def load(cls, vm_id: str, directory: Path, machine: Machine | None) -> SandboxVM:
         record = json.loads((directory / SANDBOX_FILE).read_text())
+        formats.check("sandbox", record, directory / SANDBOX_FILE)
         spec = SandboxSpec.from_json(record["spec"])
         return cls(vm_id, spec, machine, str(record["boot"]), float(record["took_ms"]),
                    reboots=int(record.get("reboots", 0)))  # fmt: skip

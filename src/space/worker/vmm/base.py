@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from space.settings import Shares
+from space.worker import formats
 
 SNAPSHOT_MANIFEST = "snapshot.json"
 SNAPSHOT_DISK = "disk.img"
@@ -174,7 +175,7 @@ class SnapshotInfo:
             "downtime_s": self.downtime_s,
         }
         tmp = self.path / (SNAPSHOT_MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2))
+        tmp.write_text(json.dumps(formats.stamp("snapshot", manifest), indent=2))
         tmp.chmod(0o600)  # holds the agent token
         tmp.replace(self.path / SNAPSHOT_MANIFEST)
 
@@ -185,6 +186,10 @@ class SnapshotInfo:
             manifest = json.loads(manifest_path.read_text())
         except FileNotFoundError:
             raise VMMError(f"{path} is not a snapshot: {SNAPSHOT_MANIFEST} is missing") from None
+        try:
+            formats.check("snapshot", manifest, manifest_path)
+        except formats.FormatError as e:
+            raise VMMError(str(e)) from None
         for name in manifest["files"].values():
             # Names inside its own directory only: a snapshot may come from another host.
             if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):

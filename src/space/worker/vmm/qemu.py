@@ -27,6 +27,7 @@ from qemu.qmp import QMPClient
 
 from space.guest.protocol import AGENT_PORT_NAME
 from space.settings import Shares
+from space.worker import formats
 from space.worker.network.manager import open_tap_device, tap_namespace
 from space.worker.storage.reflink import clone_file
 from space.worker.vmm.base import (
@@ -247,7 +248,7 @@ class QemuVM(VM):
         if self.confinement is not None:
             record["jail"] = self.confinement
         tmp = self.run_dir / (VM_FILE + ".tmp")
-        tmp.write_text(json.dumps(record))
+        tmp.write_text(json.dumps(formats.stamp("vm", record)))
         tmp.chmod(0o600)  # holds the agent token
         tmp.replace(self.run_dir / VM_FILE)
 
@@ -614,6 +615,7 @@ class QemuDriver(Driver):
         """Take over a VM a previous worker process started (it is found by its run dir)."""
         try:
             record = json.loads((run_dir / VM_FILE).read_text())
+            formats.check("vm", record, run_dir / VM_FILE)
         except (OSError, ValueError) as e:
             raise VMGone(f"{run_dir} holds no adoptable VM: {e}") from None
         config = VMConfig.from_json(record["config"])
