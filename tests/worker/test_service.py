@@ -204,6 +204,11 @@ async def test_releases_one_minor_apart_work_together(worker: Worker, vm: str) -
     refused = await worker.http.delete("/vms/x", headers={release.HEADER: too_far})
     assert refused.status_code == 426 and refused.json()["code"] == "incompatible_release"
     assert too_far in refused.json()["detail"] and release.VERSION in refused.json()["detail"]
+    with pytest.raises(WebSocketUpgradeError) as e:
+        async with aconnect_ws(f"{worker.url}/vms/{vm}/exec/ws", worker.http,
+                               headers={release.HEADER: too_far}):  # fmt: skip
+            pass
+    assert e.value.response.status_code == 426
     body = {"cmd": "echo same", "member_of_a_later_release": True}
     newer = await worker.http.post(f"/vms/{vm}/exec", json=body,
                                    headers={release.HEADER: next_one})  # fmt: skip

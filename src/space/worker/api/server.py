@@ -114,14 +114,22 @@ class BearerAuth:
         if scope["type"] not in ("http", "websocket") or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        refusal = problem(401, "a valid worker secret is required (Authorization: Bearer …)",
-                          headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-        if scope["type"] == "websocket" and "websocket.http.response" not in scope.get(
-            "extensions", {}
-        ):
-            await send({"type": "websocket.close", "code": 4401})
-            return
-        await refusal(scope, receive, send)
+        await _refuse(
+            scope, receive, send,
+            problem(401, "a valid worker secret is required (Authorization: Bearer …)",
+                    headers={"WWW-Authenticate": "Bearer"}),
+        )  # fmt: skip
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, answer: JSONResponse) -> None:
+    """Send `answer`, or close a WebSocket whose server cannot answer its handshake with an
+    HTTP response (code 4000 + the answer's status)."""
+    if scope["type"] == "websocket" and "websocket.http.response" not in scope.get(
+        "extensions", {}
+    ):
+        await send({"type": "websocket.close", "code": 4000 + answer.status_code})
+        return
+    await answer(scope, receive, send)
 
 
 RELEASE_HEADER_KEY = RELEASE_HEADER.lower().encode()
@@ -142,7 +150,8 @@ class ReleaseCheck:
                        if k == RELEASE_HEADER_KEY), None)  # fmt: skip
         # /health answers anyone: it says this release, so the caller can judge for itself.
         if scope["path"] != "/health" and (reason := refusal(theirs, "control plane")):
-            await problem(426, reason, code="incompatible_release")(scope, receive, send)
+            await _refuse(scope, receive, send,
+                          problem(426, reason, code="incompatible_release"))  # fmt: skip
             return
 
         async def stamped(message: Message) -> None:
