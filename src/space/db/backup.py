@@ -18,7 +18,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -44,20 +44,27 @@ def tools() -> Path:
     return POSTGRES_VERSIONS[max(POSTGRES_VERSIONS)]
 
 
-def libpq_url(url: str) -> str:
+def libpq_url(url: str) -> tuple[str, dict[str, str]]:
     """The database URL as PostgreSQL's tools take it (SQLAlchemy's driver and asyncpg's
-    `ssl` parameter spelled as libpq spells them)."""
+    `ssl` parameter spelled as libpq spells them), and the environment that carries its
+    password: never in a command line, which every user of the host can read."""
     parts = urlsplit(url)
     scheme = parts.scheme.split("+", 1)[0]
     query = [("sslmode", v) if k == "ssl" else (k, v) for k, v in parse_qsl(parts.query)]
-    return urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
+    env: dict[str, str] = {}
+    netloc = parts.netloc
+    if parts.password is not None:
+        env["PGPASSWORD"] = unquote(parts.password)
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.split(':', 1)[0]}@{host}"
+    return urlunsplit((scheme, netloc, parts.path, urlencode(query), parts.fragment)), env
 
 
-async def _tool(name: str, *args: str) -> None:
+async def _tool(name: str, *args: str, env: dict[str, str] | None = None) -> None:
     """Run one of PostgreSQL's tools, its progress (`--verbose`) passed on to our stderr."""
     proc = await asyncio.create_subprocess_exec(
         str(tools() / name), *args, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})},
     )  # fmt: skip
     assert proc.stderr is not None
     last: list[str] = []
@@ -79,10 +86,13 @@ async def _tool(name: str, *args: str) -> None:
 async def backup(url: str, dest: Path) -> int:
     """Write the whole database to `dest` (written beside it, then renamed); its size."""
     tmp = dest.with_name(f".{dest.name}.partial")
+    # Made 0600 before anything is in it (sealed secrets, key hashes: not for every reader);
+    # pg_dump truncates it and keeps its mode.
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    dbname, env = libpq_url(url)
     try:
         await _tool("pg_dump", "--format=custom", "--verbose", "--no-owner",
-                    f"--file={tmp}", f"--dbname={libpq_url(url)}")  # fmt: skip
-        os.chmod(tmp, 0o600)  # sealed secrets, API key hashes: not for every reader
+                    f"--file={tmp}", f"--dbname={dbname}", env=env)  # fmt: skip
         tmp.replace(dest)
     finally:
         tmp.unlink(missing_ok=True)
@@ -106,8 +116,9 @@ async def restore(url: str, src: Path, engine: AsyncEngine) -> int:
         raise BackupError(f"no backup at {src}")
     before = await current_epoch(engine)
     await engine.dispose()  # our own connections must not hold locks the restore waits on
+    dbname, env = libpq_url(url)
     await _tool("pg_restore", "--clean", "--if-exists", "--no-owner", "--single-transaction",
-                "--verbose", f"--dbname={libpq_url(url)}", str(src))  # fmt: skip
+                "--verbose", f"--dbname={dbname}", str(src), env=env)  # fmt: skip
     restored = await current_epoch(engine) or 0
     # Workers heard every epoch up to `before` (if the database it replaces was readable):
     # one past it will do; otherwise a margin no deployment goes through between two backups.

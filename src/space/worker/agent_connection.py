@@ -23,6 +23,7 @@ StreamPair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 BUFFER_HIGH = 16 << 20
 BUFFER_LOW = 4 << 20
 SEND_DEADLINE_S = 60.0  # for the agent to take a frame of ours
+HELLO_RETRY_S = 5.0  # for the agent to answer one stream's hello
 
 
 class AgentConnection:
@@ -53,20 +54,30 @@ class AgentConnection:
         token: str,
         timeout: float = 30.0,
     ) -> Self:
-        """Open a stream and authenticate; waits up to `timeout` for the agent to answer."""
-        reader, writer = await within(open_stream(), timeout, "opening the agent's stream")
-        client = cls(reader, writer)
-        try:
-            await asyncio.wait_for(client.hello(token), timeout)
-        except TimeoutError:
-            await client.close()
-            raise AgentConnectionLost(
-                "timeout", f"the guest agent did not answer within {timeout:.1f}s"
-            ) from None
-        except BaseException:
-            await client.close()
-            raise
-        return client
+        """Open a stream and authenticate; waits up to `timeout` for the agent to answer. A hello
+        unanswered for HELLO_RETRY_S is sent again on a new stream: the guest's port drops
+        what arrived while its agent was reopening it (after the last stream closed, or a
+        restore), and a new stream tells the agent afresh."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            left = deadline - loop.time()
+            attempt = min(HELLO_RETRY_S, left)
+            reader, writer = await within(open_stream(), left, "opening the agent's stream")
+            client = cls(reader, writer)
+            try:
+                await asyncio.wait_for(client.hello(token), attempt)
+            except TimeoutError:
+                await client.close()
+                if deadline - loop.time() > 0.5:
+                    continue
+                raise AgentConnectionLost(
+                    "timeout", f"the guest agent did not answer within {timeout:.1f}s"
+                ) from None
+            except BaseException:
+                await client.close()
+                raise
+            return client
 
     async def hello(self, token: str) -> None:
         """Authenticate; everything the agent sent before its WELCOME is ignored."""

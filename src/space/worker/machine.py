@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 DISK = "disk.img"
 ANSWER_S = 3.0  # for a VMM to answer before a snapshot is taken of it
-HELLO_RETRY_S = 10.0  # for an agent to answer one connection's hello
 SNAPSHOT_SYNC_S = 10.0
 
 
@@ -405,24 +404,9 @@ async def _connect_agent(
         raise
 
 
-async def _hello(vm: VM, token: str, timeout: float) -> AgentClient:
-    """Connect and authenticate within `timeout`. A guest that never answers a connection's
-    hello is given a new connection every HELLO_RETRY_S: the port's open may not have reached
-    an agent that was just restored or had just reset its port, and a new one tells it again."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        left = deadline - asyncio.get_running_loop().time()
-        try:
-            return await AgentClient.connect(vm.open_agent_stream, token, min(HELLO_RETRY_S, left))
-        except AgentConnectionLost as e:
-            if e.code != "timeout" or left <= HELLO_RETRY_S:
-                raise
-            log.info("VM %s: its agent did not answer a hello; connecting again", vm.id)
-
-
 async def _wait_agent(vm: VM, token: str, timeout: float) -> AgentClient:
     """Connect and authenticate; if the VMM dies meanwhile, say so instead of timing out."""
-    connect = asyncio.ensure_future(_hello(vm, token, timeout))
+    connect = asyncio.ensure_future(AgentClient.connect(vm.open_agent_stream, token, timeout))
     died = asyncio.ensure_future(vm.wait())
     try:
         await asyncio.wait([connect, died], return_when=asyncio.FIRST_COMPLETED)

@@ -106,6 +106,10 @@ class ControlPlane:
                 if again.status_code == 200:
                     log.warning("the API knew an earlier process of this worker: registered again")
                     continue
+                if again.status_code != 409:  # the API away for a moment: the next beat asks
+                    log.warning("registering again refused (%s: %s)", again.status_code,
+                                _detail(again))  # fmt: skip
+                    continue
                 log.error("another process registered as this worker (%s); stopping",
                           _detail(again))  # fmt: skip
                 return

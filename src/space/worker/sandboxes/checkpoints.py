@@ -65,6 +65,7 @@ async def take(manager: VMManager, sb: SandboxVM, checkpoint_id: str) -> Taken:
     machine = sb.live_machine("checkpoint")
     if sb.state != "running":
         raise WrongState(f"cannot checkpoint VM {sb.id}: it is {sb.state}", sb.state)
+    manager.capacity.check_snapshot(sb.spec.memory_mib)
     final.parent.mkdir(exist_ok=True)
     tmp = final.parent / f".{checkpoint_id}.{uuid.uuid4().hex[:8]}"
     try:

@@ -58,6 +58,7 @@ async def fork(
         raise InvalidArgument("the children's ids must differ")
     if taken := sorted(c.id for c in children if manager.has(c.id)):
         raise WrongState(f"VMs {', '.join(taken)} exist already on this worker", "running")
+    manager.capacity.check_snapshot(parent.spec.memory_mib)
     tmp = None
     if checkpoint_id is not None:
         snap, paused_ms = checkpoints.load(manager, parent.id, checkpoint_id), 0.0

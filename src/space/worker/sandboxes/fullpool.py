@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RESERVE_FILE = "pool-reserve"
+MARKER_FILE = "pool-full"
 RESERVE_MIB = 384
 FILL = "/.space-pool-full"
 AGENT_TIMEOUT_S = 10.0
@@ -59,6 +60,7 @@ class FullPool:
     def __init__(self, manager: VMManager) -> None:
         self.manager = manager
         self.reserve = manager.root / RESERVE_FILE
+        self.marker = manager.root / MARKER_FILE  # guests may hold FILL: a restart removes it
         self.full = False
         self.filled: set[str] = set()  # the guests whose FILL is in place
 
@@ -71,10 +73,23 @@ class FullPool:
             return
         await asyncio.to_thread(_allocate, self.reserve, RESERVE_MIB << 20)
 
+    async def start(self, vms: list[SandboxVM]) -> None:
+        """At the worker's start: give back what an earlier process that found the pool full
+        may have filled (its marker says so; which guests, it did not say), take the reserve."""
+        if self.marker.exists():
+            self.filled = {sb.id for sb in vms}
+            await self._unfill(vms)
+            if not self.filled:
+                self.marker.unlink(missing_ok=True)
+        await self.take_reserve()
+
     async def check(self, vms: list[SandboxVM]) -> None:
+        if not self.full and self.filled:  # left from the last time the pool ran out
+            await self._unfill(vms)
         stopped = any(sb.machine is not None and sb.machine.io_error for sb in vms)
         if not self.full and (stopped or self._free_mib() < FULL_MIB // 4):
             self.full = self.manager.capacity.pool_full = True
+            self.marker.touch()
             log.warning("the pool is full: guests' disks are made full, the reserve given back")
             self.reserve.unlink(missing_ok=True)
         if self.full:
@@ -109,18 +124,30 @@ class FullPool:
 
     async def _room_again(self, vms: list[SandboxVM]) -> None:
         log.info("the pool has room again: guests' disks are given back their free space")
-        for sb in vms:
-            if sb.id not in self.filled or sb.machine is None:
-                continue
+        # The pool takes work again whatever the guests do: one that does not answer now gets
+        # its room back at a later pass.
+        self.full = self.manager.capacity.pool_full = False
+        await self._unfill(vms)
+        await self.take_reserve()
+
+    async def _unfill(self, vms: list[SandboxVM]) -> None:
+        async def one(sb: SandboxVM) -> None:
+            machine = sb.machine
+            if machine is None or sb.condition != "live":
+                return
+            if machine.status().state != VMState.RUNNING:
+                return
             try:
-                await sb.machine.agent.run(["rm", "-f", FILL], timeout=AGENT_TIMEOUT_S)
+                await machine.agent.run(["rm", "-f", FILL], timeout=AGENT_TIMEOUT_S)
             except (AgentError, TimeoutError, OSError) as e:
                 log.warning("VM %s: could not give its disk back its room: %s", sb.id, e)
-                continue
+                return
             self.filled.discard(sb.id)
-        if not self.filled:
-            self.full = self.manager.capacity.pool_full = False
-            await self.take_reserve()
+
+        self.filled &= {sb.id for sb in vms}
+        await asyncio.gather(*(one(sb) for sb in vms if sb.id in self.filled))
+        if not self.filled and not self.full:
+            self.marker.unlink(missing_ok=True)
 
 
 def _allocate(path: Path, size: int) -> None:

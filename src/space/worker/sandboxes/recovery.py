@@ -156,7 +156,7 @@ class Watch:
         self._last_measure = 0.0
 
     async def run(self) -> None:
-        await self.full_pool.take_reserve()
+        await self.full_pool.start(self.manager.vms())
         while True:
             try:
                 await self.once()
