@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from space.worker.agent_client import AgentError
+from space.worker.machine import Machine
 from space.worker.sandboxes.capacity import FULL_MIB
 from space.worker.sandboxes.records import SandboxVM
 from space.worker.vmm.base import VMMError, VMState
@@ -111,7 +112,7 @@ class FullPool:
             with contextlib.suppress(VMMError, TimeoutError):
                 await machine.vm.continue_after_io_error()
                 machine.io_error = None
-        if machine.io_error is not None or machine.status().state != VMState.RUNNING:
+        if machine.io_error is not None or _running(sb) is None:
             return  # paused guests are filled once they run
         try:
             r = await machine.agent.run(["python3", "-c", FILL_SCRIPT], timeout=AGENT_TIMEOUT_S)
@@ -132,10 +133,8 @@ class FullPool:
 
     async def _unfill(self, vms: list[SandboxVM]) -> None:
         async def one(sb: SandboxVM) -> None:
-            machine = sb.machine
-            if machine is None or sb.condition != "live":
-                return
-            if machine.status().state != VMState.RUNNING:
+            machine = _running(sb)
+            if machine is None:
                 return
             try:
                 await machine.agent.run(["rm", "-f", FILL], timeout=AGENT_TIMEOUT_S)
@@ -148,6 +147,14 @@ class FullPool:
         await asyncio.gather(*(one(sb) for sb in vms if sb.id in self.filled))
         if not self.filled and not self.full:
             self.marker.unlink(missing_ok=True)
+
+
+def _running(sb: SandboxVM) -> Machine | None:
+    """The sandbox's machine, if it is there and its guest runs (its agent can answer)."""
+    machine = sb.machine
+    if machine is None or sb.condition != "live" or machine.status().state != VMState.RUNNING:
+        return None
+    return machine
 
 
 def _allocate(path: Path, size: int) -> None:
