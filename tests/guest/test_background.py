@@ -156,3 +156,14 @@ async def test_tags_and_references_are_checked(agent: AgentClient) -> None:
     with pytest.raises(AgentError, match="signal number"):
         await agent.call("control", tag="only-one", signal=0)
     await agent.control(tag="only-one", signal=signal.SIGKILL)
+
+
+async def test_a_process_is_listed_as_ended_only_with_its_result(agent: AgentClient) -> None:
+    # Its grandchild keeps writing after it exits: the exit is seen while its output is still
+    # being read, and a listing in between must not say "ended" without saying how.
+    for _ in range(20):
+        # Started unfollowed: a follower that does not read would hold its output back.
+        proc = await agent.start("head -c 64M /dev/zero & exit 0")
+        while (listed := await _listed(agent, proc["pid"]))["running"]:
+            pass
+        assert listed["exit_code"] == 0, listed

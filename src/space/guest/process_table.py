@@ -102,7 +102,7 @@ async def follow(conn: Connection, channel: int, proc: Process, *, replay: bool)
     async with proc.output_lock:
         started: Json = {
             "pid": proc.pid, "tag": proc.tag, "background": proc.background,
-            "running": not proc.exited.is_set(),
+            "running": not proc.done.is_set(),
         }  # fmt: skip
         if replay:
             started["dropped"] = proc.ring.dropped

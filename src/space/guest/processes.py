@@ -149,7 +149,9 @@ class Process:
             "pty": self.master is not None,
             "background": self.background,
             "started_at": self.started_at,
-            "running": not self.exited.is_set(),
+            # Ended only once its result is there: its exit is seen before the last of its
+            # output is read, and "ended" with no exit code would be read as killed.
+            "running": not self.done.is_set(),
             "exit_code": self.result.get("exit_code"),
             "signal": self.result.get("signal"),
         }
