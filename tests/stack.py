@@ -299,10 +299,11 @@ async def _bootstrap(url: str) -> tuple[str, str, str]:
         await store.close()
 
 
-def launch(tmp: Path, tls: bool = False, registry: str = "") -> Platform:
+def launch(tmp: Path, tls: bool = False, registry: str = "", **settings: str) -> Platform:
     """A whole platform of real processes, with a local internet for its gateways. With a
     `registry` (host:port of a plain-HTTP one), templates, snapshots and volumes go there, and
-    every worker is a host of its own, with its own pool."""
+    every worker is a host of its own, with its own pool. `settings`: environment variables of
+    every service, over the defaults."""
     if os.geteuid() != 0:
         pytest.fail("the platform tests need root")
     # A small "internet" of namespaces (DNS, HTTP and HTTPS origins) for the gateways.
@@ -338,6 +339,7 @@ def launch(tmp: Path, tls: bool = False, registry: str = "") -> Platform:
         # A line per request and per step, each naming its request (tests/platform/test_logs).
         "SPACE_LOG_FORMAT": "json",
         "SPACE_LOG_LEVEL": "info",
+        **settings,
     }
     api_host = "127.0.0.1"
     if registry:

@@ -119,6 +119,8 @@ class ControllerSettings:
     lease_ttl_s: float = 10.0
     # A pool claim the API did not confirm within this long is abandoned (its member dropped).
     claim_grace_s: float = 15.0
+    # How often the leader compares workers' VMs with the database and deletes what is gone.
+    gc_interval_s: float = 15.0
 
 
 @dataclass(frozen=True)
@@ -289,6 +291,7 @@ class Settings:
                 worker_lost_after_s=e.number("SPACE_WORKER_LOST_AFTER", 8.0, low=1.0),
                 lease_ttl_s=e.number("SPACE_LEASE_TTL", 10.0, low=1.0),
                 claim_grace_s=e.number("SPACE_CLAIM_GRACE", 15.0, low=1.0),
+                gc_interval_s=e.number("SPACE_GC_INTERVAL", 15.0, low=1.0),
             ),
             pools=PoolSettings(
                 refill_concurrency=e.integer("SPACE_POOL_REFILL_CONCURRENCY", 2, low=1),

@@ -29,7 +29,7 @@ POOL = Path("/var/lib/space/pool/workers")
 @pytest.fixture(scope="module")
 def own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """Not the session's platform: a restore turns its whole database back."""
-    p = launch(tmp_path_factory.mktemp("backup"))
+    p = launch(tmp_path_factory.mktemp("backup"), SPACE_GC_INTERVAL="2")
     try:
         yield p
     finally:
@@ -82,7 +82,11 @@ def test_a_restore_keeps_what_the_backup_never_knew(own: Platform, tmp_path: Pat
         # The sandbox it never knew: kept on its worker and reported, through clean-ups.
         strays = until(lambda: _strays(own), 90, "the stray reported")
         assert strays == [{"id": after["id"], "worker_id": own.worker_id, "discarded": False}]
-        time.sleep(20)  # past a clean-up pass (every 15 s) with the stray still there
+        # Two more clean-up passes (every 2 s) name it, and leave it be.
+        named = f"{own.worker_id} holds sandboxes the database does not know"
+        seen = (own.tmp / "controller.log").read_text().count(named)
+        until(lambda: (own.tmp / "controller.log").read_text().count(named) >= seen + 2, 30,
+              "two more clean-ups")  # fmt: skip
         assert vmm_pids(POOL / own.worker_id / "vms" / after["id"]), "the stray's VM runs on"
         # The restored database's secret still opens (the same secrets key): the gateway
         # swaps it in for the sandbox's placeholder.

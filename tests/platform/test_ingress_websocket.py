@@ -53,7 +53,8 @@ for i in $(seq 100); do test -e /tmp/ws-up && exit 0; sleep 0.1; done; cat /tmp/
 @pytest.fixture(scope="module")
 def service(platform: Platform, code_interpreter: str) -> Iterator[str]:
     with platform.client() as c:
-        r = c.post("/v1/sandboxes", json={"template": code_interpreter})
+        # E2B's size of it: the session makes one base snapshot of the template, not two.
+        r = c.post("/v1/sandboxes", json={"template": code_interpreter, "memory_mib": 512})
         assert r.status_code == 201 and r.json()["state"] == "running", r.text
         sandbox_id = r.json()["id"]
         try:
