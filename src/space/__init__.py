@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 # The SDK is loaded on first use of one of its names: `import space` alone stays cheap for the
 # CLI and for host modules that never talk HTTP (importing httpx costs ~0.1 s).
