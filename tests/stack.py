@@ -281,11 +281,13 @@ async def _join_token(url: str, worker_id: str) -> str:
         await store.close()
 
 
-async def _bootstrap(url: str) -> tuple[str, str, str]:
-    """Keys of tenants A and B, and an admin key of a third tenant."""
+async def _bootstrap(url: str, migrated: bool = False) -> tuple[str, str, str]:
+    """Keys of tenants A and B, and an admin key of a third tenant; the schema first, unless
+    another release already `migrated` it."""
     store = Store(connect(url))
     try:
-        await migrate.upgrade(store.engine)
+        if not migrated:
+            await migrate.upgrade(store.engine)
         await store.ensure_template("base")
         a = await store.create_tenant(f"a-{secrets.token_hex(4)}")
         b = await store.create_tenant(f"b-{secrets.token_hex(4)}")
@@ -299,11 +301,21 @@ async def _bootstrap(url: str) -> tuple[str, str, str]:
         await store.close()
 
 
-def launch(tmp: Path, tls: bool = False, registry: str = "", **settings: str) -> Platform:
+def release_env(env: dict[str, str], release: Path | None) -> dict[str, str]:
+    """`env` for a service of the release whose package is in `release` (a `src` directory of
+    another checkout), or of this checkout's for None."""
+    own = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    return {**own, "PYTHONPATH": str(release)} if release is not None else own
+
+
+def launch(
+    tmp: Path, tls: bool = False, registry: str = "", release: Path | None = None, **settings: str
+) -> Platform:
     """A whole platform of real processes, with a local internet for its gateways. With a
     `registry` (host:port of a plain-HTTP one), templates, snapshots and volumes go there, and
-    every worker is a host of its own, with its own pool. `settings`: environment variables of
-    every service, over the defaults."""
+    every worker is a host of its own, with its own pool. With a `release` (the `src` directory
+    of another checkout), every service and the schema are that release's. `settings`:
+    environment variables of every service, over the defaults."""
     if os.geteuid() != 0:
         pytest.fail("the platform tests need root")
     # A small "internet" of namespaces (DNS, HTTP and HTTPS origins) for the gateways.
@@ -314,7 +326,6 @@ def launch(tmp: Path, tls: bool = False, registry: str = "", **settings: str) ->
     assert internet.origin_ca is not None
     pgdata = tmp / "pg"
     url = embedded.start(pgdata)
-    key_a, key_b, admin_key = asyncio.run(_bootstrap(url))
     port = free_port()
     metrics = f"127.0.0.1:{free_port()}"
     metrics_token = secrets.token_urlsafe(16)
@@ -341,6 +352,10 @@ def launch(tmp: Path, tls: bool = False, registry: str = "", **settings: str) ->
         "SPACE_LOG_LEVEL": "info",
         **settings,
     }
+    if release is not None:
+        env = release_env(env, release)
+        subprocess.run([*SPACE, "admin", "migrate"], env=env, check=True, capture_output=True)
+    key_a, key_b, admin_key = asyncio.run(_bootstrap(url, migrated=release is not None))
     api_host = "127.0.0.1"
     if registry:
         env.update(SPACE_REGISTRY=f"{registry}/space", SPACE_REGISTRY_INSECURE="1")

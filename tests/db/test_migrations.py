@@ -47,3 +47,24 @@ async def test_admin_migrate_brings_a_new_database_to_the_newest_revision(databa
         assert await migrate.revision(engine) == head
     finally:
         await engine.dispose()
+
+
+async def test_a_schema_a_later_release_migrated_is_left_as_it_is(database: str) -> None:
+    """A rollback starts the previous release's services on the newer schema: they run on it
+    instead of failing on a revision they do not know."""
+    admin = connect(database).execution_options(isolation_level="AUTOCOMMIT")
+    async with admin.connect() as conn:
+        await conn.exec_driver_sql("CREATE DATABASE later")
+    await admin.dispose()
+    url = database.replace("/postgres?", "/later?")
+    engine = connect(url)
+    try:
+        await migrate.upgrade(engine)
+        async with engine.begin() as conn:
+            await conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9001'")
+        await migrate.upgrade(engine)
+        assert await migrate.revision(engine) == "9001"
+    finally:
+        await engine.dispose()
+    run = await asyncio.to_thread(space, "admin", "migrate", env={"SPACE_DATABASE_URL": url})
+    assert run.stdout.strip() == "9001" and "does not know" in run.stderr, run

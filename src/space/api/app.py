@@ -44,7 +44,7 @@ from space.e2b import app as e2b_app
 from space.identity import WorkerCA
 from space.logs import RequestLog
 from space.settings import Settings
-from space.worker.api.client import WorkerClient
+from space.worker.api.client import RESTART_S, WorkerClient
 
 SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([A-Za-z0-9_.-]{1,100})(?:/|$)")
 # Probes, scrapes and workers' heartbeats: a line each only at DEBUG.
@@ -62,7 +62,9 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
         await listener.start()
         ca = WorkerCA(settings.worker_ca_dir) if settings.worker_ca_dir else None
         worker_secret = settings.load_worker_secret()
-        workers = WorkerClient(worker_secret, tls=ca.client_context() if ca else None)
+        workers = WorkerClient(
+            worker_secret, tls=ca.client_context() if ca else None, reconnect_s=RESTART_S
+        )
         sealer = Sealer(settings.load_sealing_keys(), reload=settings.load_sealing_keys)
         app.state.services = Services(
             store=store,

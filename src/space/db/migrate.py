@@ -1,14 +1,23 @@
-"""Bring a database to the newest schema (alembic, run programmatically on our connection)."""
+"""Bring a database to the newest schema (alembic, run programmatically on our connection).
+
+A database a later release already migrated is left as it is: that release's migrations only
+add what this one may ignore (expand, then contract: docs/upgrading.md), so this release runs
+on it, and a rollback can start the previous release's services again."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 LOCK_KEY = 0x5350_4143  # serialises concurrent upgrades (several processes starting at once)
@@ -21,14 +30,29 @@ def _config(connection: Connection) -> Config:
     return cfg
 
 
-def _upgrade(connection: Connection) -> None:
+def _upgrade(connection: Connection) -> str | None:
+    """Upgrades to this release's newest revision; or, when the database is at a revision this
+    release does not know, leaves it and returns that revision."""
     connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})")
-    command.upgrade(_config(connection), "head")
+    cfg = _config(connection)
+    current = MigrationContext.configure(connection).get_current_revision()
+    if current is not None:
+        try:
+            ScriptDirectory.from_config(cfg).get_revision(current)
+        except CommandError:
+            return current
+    command.upgrade(cfg, "head")
+    return None
 
 
 async def upgrade(engine: AsyncEngine) -> None:
     async with engine.begin() as conn:
-        await conn.run_sync(_upgrade)
+        newer = await conn.run_sync(_upgrade)
+    if newer is not None:
+        log.warning(
+            "the database's schema is at revision %s, which this release does not know: a "
+            "later release migrated it; running on it as it is", newer,
+        )  # fmt: skip
 
 
 async def revision(engine: AsyncEngine) -> str | None:

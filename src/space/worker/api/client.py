@@ -9,9 +9,11 @@ fencing epoch lifecycle calls carry.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -58,6 +60,7 @@ from space.worker.api.models import (
 )
 
 A = TypeVar("A", bound=BaseModel)
+R = TypeVar("R")
 EVENTS: TypeAdapter[ExecEvent] = TypeAdapter(ExecEvent)
 
 # Deadlines (seconds) per kind of call. A create may cold-boot a VM and build its shape's base
@@ -69,6 +72,9 @@ STATS_S = 5.0
 QUICK_S = 15.0
 STATE_S = 120.0
 CREATE_S = 330.0
+# How long the API waits for a worker that refuses connections: one restarting (a rollout
+# replaces each worker in turn) is back within this.
+RESTART_S = 15.0
 MAX_ANSWER = 16 << 20  # a worker's JSON answer larger than this is refused unread
 WS_MESSAGE = 1 << 20
 
@@ -136,9 +142,14 @@ class WorkerClient:
         *,
         epoch: Callable[[], int] | None = None,
         tls: ssl.SSLContext | None = None,
+        reconnect_s: float = 0.0,
     ) -> None:
         self._epoch = epoch
         self._tls = tls is not None
+        # How long a call waits for a worker that refuses connections (a restart, a rollout)
+        # before it fails: the API's callers see a wait, not an error; the controller's probes
+        # must see the refusal at once.
+        self._reconnect_s = reconnect_s
         self._new_pool = partial(
             httpx.AsyncClient,
             timeout=httpx.Timeout(QUICK_S, connect=CONNECT_S),
@@ -173,6 +184,20 @@ class WorkerClient:
             pool = self._pools[key] = self._new_pool()
         return pool
 
+    async def _connected(self, url: str, attempt: Callable[[], Awaitable[R]]) -> R:
+        """`attempt()`, tried again while the worker refuses to connect, for up to
+        `reconnect_s`: a refused connection carried nothing, so nothing is done twice."""
+        deadline = time.monotonic() + self._reconnect_s
+        pause = 0.1
+        while True:
+            try:
+                return await attempt()
+            except httpx.ConnectError as e:
+                if time.monotonic() + pause > deadline:
+                    raise _transport_error(url, e) from e
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
     def _headers(self, epoch: int | None) -> dict[str, str]:
         if epoch is None and self._epoch is not None:
             epoch = self._epoch()
@@ -198,21 +223,25 @@ class WorkerClient:
         if fenced:
             headers.update(self._headers(epoch))
         http, extensions = self._route(w)
-        try:
+
+        async def attempt() -> tuple[httpx.Response, bytes]:
             async with http.stream(
                 method, url, content=content, params=params, headers=headers,
                 timeout=httpx.Timeout(timeout, connect=min(CONNECT_S, timeout)),
                 extensions=extensions,
             ) as resp:  # fmt: skip
-                raw = await _read_capped(resp)
+                return resp, await _read_capped(resp)
+
+        try:
+            resp, got = await self._connected(url, attempt)
         except httpx.TransportError as e:
             raise _transport_error(url, e) from e
         if not resp.is_success:
-            raise _problem(resp.status_code, raw)
+            raise _problem(resp.status_code, got)
         if answer is None:
             return None
         try:
-            return answer.model_validate_json(raw)
+            return answer.model_validate_json(got)
         except ValidationError as e:
             raise WorkerError(502, f"worker at {url} answered nonsense: {e}") from None
 
@@ -238,7 +267,7 @@ class WorkerClient:
             extensions=extensions,
         )  # fmt: skip
         try:
-            resp = await http.send(req, stream=True)
+            resp = await self._connected(url, lambda: http.send(req, stream=True))
         except httpx.TransportError as e:
             raise _transport_error(url, e) from e
         try:
