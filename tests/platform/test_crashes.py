@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +58,27 @@ def test_api_killed_mid_operation_loses_nothing(platform: Platform) -> None:
         wait_state(c, sid, "suspended", timeout=60)
         assert c.post(f"/v1/sandboxes/{sid}/resume").json()["state"] == "running"
         c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_stopping_api_answers_the_connections_it_had_accepted(platform: Platform) -> None:
+    """A rollout stops an API replica while clients connect to it: a connection accepted just
+    before the stop, whose request arrives after it, is answered, not reset."""
+    url = httpx.URL(platform.api_url)
+    with socket.create_connection((url.host, url.port), timeout=10) as conn:
+        time.sleep(0.2)  # accepted
+        assert platform.api.proc is not None
+        platform.api.proc.terminate()  # the stop a rollout makes
+        try:
+            time.sleep(0.3)  # the stop is under way
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: api\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        finally:
+            platform.api.proc.wait(30)
+            platform.api.start()
+            platform.wait_api()
+    assert answer.startswith(b"HTTP/1.1 200"), answer
 
 
 def test_worker_killed_marks_sandboxes_then_readopts_them(platform: Platform) -> None:

@@ -23,6 +23,8 @@ import httpx
 
 from space import release
 
+from ..stack import SPACE, Platform, Service, release_env
+
 REPO = Path(__file__).resolve().parents[2]
 _HEADING = re.compile(r"^## (\d+\.\d+\.\d+) — commit ([0-9a-f]{7,40})$", re.MULTILINE)
 # A client's connect attempts while the API it talks to is replaced: httpx waits 0.5, 1, 2, 4…
@@ -161,8 +163,31 @@ def _again(call: Callable[[], httpx.Response], what: str) -> httpx.Response:
         raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
 
 
+def replace(
+    p: Platform, traffic: Traffic, step: str, svc: Service, code: Path | None, rounds: int = 2
+) -> None:
+    """`svc` stopped and started again from the release whose package is in `code` (None: this
+    checkout's), while the client works on; done once `rounds` of the client's went through."""
+    traffic.step = step
+    svc.env = release_env(svc.env, code)
+    svc.restart()
+    if svc is p.api:
+        p.wait_api()
+    traffic.wait_rounds(step, rounds)
+
+
+def migrate(p: Platform, traffic: Traffic, rounds: int = 2) -> None:
+    """This checkout's migrations, as a rollout runs them first (`space admin migrate`)."""
+    traffic.step = "schema"
+    done = subprocess.run([*SPACE, "admin", "migrate"], env=release_env(p.env, None),
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    traffic.wait_rounds("schema", rounds)
+
+
 def summary(rounds: list[Round]) -> dict[str, dict[str, Any]]:
-    """Per step: rounds, errors, and create's p50/p99 and the slowest round, in seconds."""
+    """Per step (in order): rounds, errors, create's p50 and p99 and the slowest round, in
+    seconds."""
     steps: dict[str, list[Round]] = {}
     for r in rounds:
         steps.setdefault(r.step, []).append(r)

@@ -11,7 +11,6 @@ no error, only waits."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,8 @@ import pytest
 from space.release import VERSION
 
 from ..platform.helpers import counter_runs, create, run, start_counter
-from ..stack import SPACE, Platform, Service, launch, release_env, shut_down
-from .rollout import Traffic, check_out, previous_release, summary
+from ..stack import Platform, launch, shut_down
+from .rollout import Traffic, check_out, migrate, previous_release, replace, summary
 
 pytestmark = pytest.mark.vm
 
@@ -118,25 +117,6 @@ def check(p: Platform, h: Holdings, release: str) -> None:
         assert r.status_code == 200, (release, r.text)
         assert out(c, h.checkpointed, "cat /root/note") == "before\n", release
         out(c, h.checkpointed, "echo after > /root/note")
-
-
-def replace(p: Platform, traffic: Traffic, step: str, svc: Service, release: Path | None) -> None:
-    """`svc` stopped and started again as `release`'s (None: this checkout's), while the client
-    works on; done once the client has had rounds through after it."""
-    traffic.step = step
-    svc.env = release_env(svc.env, release)
-    svc.restart()
-    if svc is p.api:
-        p.wait_api()
-    traffic.wait_rounds(step, 2)
-
-
-def migrate(p: Platform, traffic: Traffic) -> None:
-    traffic.step = "schema"
-    done = subprocess.run([*SPACE, "admin", "migrate"], env=release_env(p.env, None),
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    traffic.wait_rounds("schema", 2)
 
 
 def versions(p: Platform) -> tuple[str, list[str]]:

@@ -41,6 +41,7 @@ from space.db.listen import Listener
 from space.db.sealing import Sealer
 from space.db.store import Store, connect
 from space.e2b import app as e2b_app
+from space.http_server import Server
 from space.identity import WorkerCA
 from space.logs import RequestLog
 from space.settings import Settings
@@ -138,4 +139,4 @@ async def serve(settings: Settings, database_url: str) -> None:
         ws="wsproto",
         timeout_graceful_shutdown=5,
     )
-    await uvicorn.Server(config).serve()
+    await Server(config).serve()

@@ -31,6 +31,7 @@ from starlette.websockets import WebSocket
 
 from space.gateway.client import GatewayError
 from space.gateway.policy import Policy
+from space.http_server import Server
 from space.identity import TLSFiles
 from space.logs import RequestLog
 from space.problem import problem
@@ -464,7 +465,7 @@ async def serve(
         lifespan="off", timeout_graceful_shutdown=5,
         ws="wsproto",  # the default implementation logs an error for every refused WebSocket
     )  # fmt: skip
-    server = uvicorn.Server(config)
+    server = Server(config)
     task = asyncio.ensure_future(server.serve())
     dropping = asyncio.ensure_future(_drop_closed_tls(server)) if tls is not None else None
     try:
