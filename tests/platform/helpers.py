@@ -32,6 +32,13 @@ def run(c: httpx.Client, sandbox_id: str, cmd: str, **body: Any) -> tuple[bytes,
     return _outcome(exec_events(c, sandbox_id, cmd=cmd, **body))
 
 
+def out(c: httpx.Client, sandbox_id: str, cmd: str) -> str:
+    """The stdout of `cmd`, which must succeed."""
+    stdout, stderr, code = run(c, sandbox_id, cmd)
+    assert code == 0, (cmd, stderr)
+    return stdout.decode()
+
+
 def run_argv(
     c: httpx.Client, sandbox_id: str, argv: list[str], **body: Any
 ) -> tuple[bytes, bytes, int]:

@@ -20,7 +20,7 @@ import space
 from space.client import _calls as space_calls
 
 from ..stack import Platform
-from .helpers import counter_runs, create, key_with_quotas, run, start_counter
+from .helpers import counter_runs, create, key_with_quotas, out, start_counter
 
 POOL = Path("/var/lib/space/pool")
 
@@ -33,12 +33,6 @@ def checkpoint(c: httpx.Client, sandbox_id: str, **body: str) -> dict[str, objec
     r = c.post(f"/v1/sandboxes/{sandbox_id}/checkpoints", json=body)
     assert r.status_code == 201, r.text
     return dict(r.json())
-
-
-def out(c: httpx.Client, sandbox_id: str, cmd: str) -> str:
-    stdout, stderr, code = run(c, sandbox_id, cmd)
-    assert code == 0, stderr
-    return stdout.decode()
 
 
 def gone(path: Path, timeout: float = 10) -> bool:

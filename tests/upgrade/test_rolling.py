@@ -20,7 +20,7 @@ import pytest
 
 from space.release import VERSION
 
-from ..platform.helpers import counter_runs, create, run, start_counter
+from ..platform.helpers import counter_runs, create, out, start_counter
 from ..stack import Platform, launch, shut_down
 from .rollout import Traffic, check_out, migrate, previous_release, replace, summary
 
@@ -62,12 +62,6 @@ class Holdings:
     suspended_counter: int
     checkpointed: str
     checkpoint: str
-
-
-def out(c: httpx.Client, sandbox_id: str, cmd: str) -> str:
-    stdout, stderr, code = run(c, sandbox_id, cmd)
-    assert code == 0, (cmd, stderr)
-    return stdout.decode()
 
 
 def change(c: httpx.Client, sandbox_id: str, verb: str, state: str) -> None:
