@@ -66,21 +66,68 @@ async def _tool(name: str, *args: str, env: dict[str, str] | None = None) -> Non
         str(tools() / name), *args, stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})},
     )  # fmt: skip
-    assert proc.stderr is not None
-    last: list[str] = []
     try:
         async with asyncio.timeout(TOOL_TIMEOUT_S):
-            async for line in proc.stderr:
-                text = line.decode(errors="replace").rstrip()
-                last = [*last[-20:], text]
-                sys.stderr.write(f"  {text}\n")
-            code = await proc.wait()
+            await _finished(name, proc)
     except BaseException:
-        proc.kill()
-        await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
         raise
-    if code != 0:
-        raise BackupError(f"{name} failed ({code}): " + " / ".join(last[-5:]))
+
+
+async def _replace_schema(dbname: str, src: Path, env: dict[str, str]) -> None:
+    """The database's schema and rows replaced by the backup's, in one transaction (psql -1):
+    what a later release added that the backup does not know goes too (a restore that only
+    replaces what the backup holds leaves it, and the backup's release then fails to migrate
+    over it); a failure leaves the database as it was."""
+    psql = await asyncio.create_subprocess_exec(
+        str(tools() / "psql"), "-X", "-q", "-1", "-v", "ON_ERROR_STOP=1", "--file=-",
+        f"--dbname={dbname}",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, **env},
+    )  # fmt: skip
+    script = await asyncio.create_subprocess_exec(
+        str(tools() / "pg_restore"), "--no-owner", "--verbose", "--file=-", str(src),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert psql.stdin is not None and script.stdout is not None
+    stdin, script_out = psql.stdin, script.stdout
+
+    async def feed() -> None:
+        try:
+            stdin.write(b"DROP SCHEMA public CASCADE;\nCREATE SCHEMA public;\n")
+            while chunk := await script_out.read(1 << 16):
+                stdin.write(chunk)
+                await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # psql stopped at an error: its own message says which
+
+    applied = asyncio.ensure_future(_finished("psql", psql))
+    try:
+        async with asyncio.timeout(TOOL_TIMEOUT_S):
+            await asyncio.gather(feed(), _finished("pg_restore", script))
+            stdin.close()  # psql commits at the end of its input: only a whole script gets there
+            await applied
+    except BaseException:
+        for proc in (script, psql):
+            if proc.returncode is None:
+                proc.kill()  # psql killed before the end of its input commits nothing
+                await proc.wait()
+        applied.cancel()
+        raise
+
+
+async def _finished(name: str, proc: asyncio.subprocess.Process) -> None:
+    """Until `proc` ends, its stderr passed on to ours; BackupError if it failed."""
+    assert proc.stderr is not None
+    last: list[str] = []
+    async for line in proc.stderr:
+        text = line.decode(errors="replace").rstrip()
+        last = [*last[-20:], text]
+        sys.stderr.write(f"  {text}\n")
+    if await proc.wait() != 0:
+        raise BackupError(f"{name} failed ({proc.returncode}): " + " / ".join(last[-5:]))
 
 
 async def backup(url: str, dest: Path) -> int:
@@ -117,8 +164,7 @@ async def restore(url: str, src: Path, engine: AsyncEngine) -> int:
     before = await current_epoch(engine)
     await engine.dispose()  # our own connections must not hold locks the restore waits on
     dbname, env = libpq_url(url)
-    await _tool("pg_restore", "--clean", "--if-exists", "--no-owner", "--single-transaction",
-                "--verbose", f"--dbname={dbname}", str(src), env=env)  # fmt: skip
+    await _replace_schema(dbname, src, env)
     restored = await current_epoch(engine) or 0
     # Workers heard every epoch up to `before` (if the database it replaces was readable):
     # one past it will do; otherwise a margin no deployment goes through between two backups.
