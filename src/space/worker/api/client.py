@@ -184,10 +184,14 @@ class WorkerClient:
             pool = self._pools[key] = self._new_pool()
         return pool
 
-    async def _connected(self, url: str, attempt: Callable[[], Awaitable[R]]) -> R:
+    async def _connected(
+        self, url: str, attempt: Callable[[], Awaitable[R]], within: float | None = None
+    ) -> R:
         """`attempt()`, tried again while the worker refuses to connect, for up to
-        `reconnect_s`: a refused connection carried nothing, so nothing is done twice."""
-        deadline = time.monotonic() + self._reconnect_s
+        `reconnect_s` and within the call's own deadline: a refused connection carried
+        nothing, so nothing is done twice."""
+        wait = self._reconnect_s if within is None else min(self._reconnect_s, within)
+        deadline = time.monotonic() + wait
         pause = 0.1
         while True:
             try:
@@ -233,7 +237,7 @@ class WorkerClient:
                 return resp, await _read_capped(resp)
 
         try:
-            resp, got = await self._connected(url, attempt)
+            resp, got = await self._connected(url, attempt, within=timeout)
         except httpx.TransportError as e:
             raise _transport_error(url, e) from e
         if not resp.is_success:
