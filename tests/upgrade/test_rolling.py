@@ -131,6 +131,8 @@ def test_a_rolling_upgrade_and_its_rollback_lose_nothing(
     (worker_id,) = old.workers
     worker = old.workers[worker_id]
 
+    before = versions(old)
+    assert before[0] != VERSION and VERSION not in before[1], before  # the old code runs
     with Traffic(old.api_url, old.key_a) as traffic:
         traffic.wait_rounds("before", 3)
         migrate(old, traffic)
@@ -146,6 +148,7 @@ def test_a_rolling_upgrade_and_its_rollback_lose_nothing(
         replace(old, traffic, "controller back", old.controller, code)
         replace(old, traffic, "api back", old.api, code)
         traffic.step = "rolled back"
+        assert versions(old) == before
         check(old, h, version)
         traffic.wait_rounds("rolled back", 2)
 

@@ -76,7 +76,6 @@ async def test_a_call_waits_for_a_worker_coming_back(
         await (stream() if first == "call" else call())
     finally:
         await client.close()
-    # Each once: a refused connection carried nothing.
     assert sorted(calls) == ["DELETE /vms/vm-1", "POST /vms/vm-1/exec"]
 
 
@@ -93,3 +92,35 @@ async def test_without_a_wait_or_past_it_the_refusal_is_an_error(
             await client.close()
         assert time.monotonic() - started < most_s
     assert calls == []
+
+
+async def test_a_request_that_reached_the_worker_is_never_sent_again() -> None:
+    """A worker that read the request and closed without an answer may have acted on it: the
+    call fails, once."""
+    calls: list[str] = []
+
+    async def read_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        calls.append((await reader.readuntil(b"\r\n\r\n")).decode().split(" ", 2)[1])
+        writer.close()
+
+    server = await asyncio.start_server(read_and_close, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = WorkerClient("secret", reconnect_s=10)
+    try:
+        with pytest.raises(WorkerError):
+            await client.delete_vm(Worker("w-once", f"http://127.0.0.1:{port}"), "vm-1")
+    finally:
+        await client.close()
+        server.close()
+    assert calls == ["/vms/vm-1"]
+
+
+async def test_a_name_that_does_not_resolve_is_not_waited_for() -> None:
+    client = WorkerClient("secret", reconnect_s=10)
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match="unreachable"):
+            await client.delete_vm(Worker("w-nowhere", "http://worker.invalid:1"), "vm-1")
+    finally:
+        await client.close()
+    assert time.monotonic() - started < 5

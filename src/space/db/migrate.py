@@ -13,7 +13,6 @@ from alembic import command
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from alembic.util import CommandError
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -36,11 +35,9 @@ def _upgrade(connection: Connection) -> str | None:
     connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})")
     cfg = _config(connection)
     current = MigrationContext.configure(connection).get_current_revision()
-    if current is not None:
-        try:
-            ScriptDirectory.from_config(cfg).get_revision(current)
-        except CommandError:
-            return current
+    known = {script.revision for script in ScriptDirectory.from_config(cfg).walk_revisions()}
+    if current is not None and current not in known:
+        return current
     command.upgrade(cfg, "head")
     return None
 

@@ -159,7 +159,7 @@ class ProcessOps:
         """Input, end of input, a signal or a new terminal size for a process, without
         following it."""
         proc = self.table.find(req)
-        if proc.exited.is_set():
+        if proc.done.is_set():  # as the listing says: ended once its result is there
             raise OpError(p.ErrorCode.NOT_FOUND, f"process {proc.pid} has ended")
         if "stdin" in req:
             proc.write(_b64(req, "stdin"))

@@ -125,6 +125,16 @@ def _problem(status: int, raw: bytes) -> WorkerError:
     return WorkerError(status, detail, code if isinstance(code, str) else None, holders=holders)
 
 
+def _refused(e: BaseException) -> bool:
+    """Whether the connection was refused (nothing listens on the port), as its cause says."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _transport_error(url: str, e: httpx.TransportError) -> WorkerError:
     timed_out = isinstance(e, httpx.TimeoutException)
     what = "did not answer in time" if timed_out else "unreachable"
@@ -197,7 +207,9 @@ class WorkerClient:
             try:
                 return await attempt()
             except httpx.ConnectError as e:
-                if time.monotonic() + pause > deadline:
+                # Only a refusal is a restart: a name that does not resolve, a host that is not
+                # there or a certificate that does not match will not mend in seconds.
+                if not _refused(e) or time.monotonic() + pause > deadline:
                     raise _transport_error(url, e) from e
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
@@ -220,6 +232,7 @@ class WorkerClient:
         fenced: bool = False,
         epoch: int | None = None,
         raw: bytes | None = None,
+        wait_restart: bool = True,
     ) -> A | None:
         """One call and its JSON answer; the body is `body` as JSON, or the bytes `raw`."""
         content = body.model_dump_json(exclude_none=False).encode() if body is not None else raw
@@ -237,7 +250,7 @@ class WorkerClient:
                 return resp, await _read_capped(resp)
 
         try:
-            resp, got = await self._connected(url, attempt, within=timeout)
+            resp, got = await self._connected(url, attempt, within=timeout if wait_restart else 0)
         except httpx.TransportError as e:
             raise _transport_error(url, e) from e
         if not resp.is_success:
@@ -287,8 +300,9 @@ class WorkerClient:
         """The worker's state; the epoch the caller holds goes along, so a new leader's first
         probe already tells every worker to refuse the old one."""
         got = await self._call(
-            "GET", w, w.path("health"), Health, timeout=timeout, fenced=self._epoch is not None
-        )
+            "GET", w, w.path("health"), Health, timeout=timeout, fenced=self._epoch is not None,
+            wait_restart=False,  # a probe: its answer is whether the worker answers now
+        )  # fmt: skip
         assert got is not None
         return got
 
@@ -302,7 +316,7 @@ class WorkerClient:
     async def claim_vm(self, w: Worker, vm_id: str, body: ClaimVM, epoch: int) -> VMStatusAnswer:
         got = await self._call(
             "POST", w, w.vm(vm_id, "claim"), VMStatusAnswer, timeout=CLAIM_S, body=body,
-            fenced=True, epoch=epoch,
+            fenced=True, epoch=epoch, wait_restart=False,  # a miss has a fallback: a restore
         )  # fmt: skip
         assert got is not None
         return got
