@@ -18,6 +18,15 @@ def database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     embedded.stop(pgdata)
 
 
+async def new_database(url: str, name: str) -> str:
+    """The URL of a new, empty database `name` on the server of `url`."""
+    admin = connect(url).execution_options(isolation_level="AUTOCOMMIT")
+    async with admin.connect() as conn:
+        await conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    await admin.dispose()
+    return url.replace("/postgres?", f"/{name}?")
+
+
 # Rows of every table a module may fill, children before the tables they point at.
 TABLES = ("events", "checkpoints", "sandboxes", "workers", "templates")
 

@@ -13,16 +13,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from space.db import backup, migrate
 from space.db.store import Store, connect
+from tests.db.conftest import new_database
 
 EARLIER = "0014"  # the schema of release 0.1, before `strays`
-
-
-async def _database(url: str, name: str) -> str:
-    admin = connect(url).execution_options(isolation_level="AUTOCOMMIT")
-    async with admin.connect() as conn:
-        await conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    await admin.dispose()
-    return url.replace("/postgres?", f"/{name}?")
 
 
 async def _tenants(engine: AsyncEngine) -> set[str]:
@@ -34,7 +27,7 @@ async def _tenants(engine: AsyncEngine) -> set[str]:
 async def test_a_backup_of_an_earlier_release_restores_over_a_later_schema(
     database: str, tmp_path: Path
 ) -> None:
-    url = await _database(database, "earlier")
+    url = await new_database(database, "earlier")
     store = Store(connect(url))
     try:
 
@@ -60,7 +53,7 @@ async def test_a_backup_of_an_earlier_release_restores_over_a_later_schema(
 
 
 async def test_a_restore_that_fails_changes_nothing(database: str, tmp_path: Path) -> None:
-    url = await _database(database, "unchanged")
+    url = await new_database(database, "unchanged")
     store = Store(connect(url))
     try:
         await migrate.upgrade(store.engine)

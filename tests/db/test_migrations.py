@@ -13,6 +13,7 @@ from space.db import migrate
 from space.db.store import connect
 from space.db.tables import metadata
 from tests.cli.runner import space
+from tests.db.conftest import new_database
 
 
 async def test_upgrade_matches_the_declared_tables_and_is_repeatable(database: str) -> None:
@@ -32,11 +33,7 @@ async def test_upgrade_matches_the_declared_tables_and_is_repeatable(database: s
 
 async def test_admin_migrate_brings_a_new_database_to_the_newest_revision(database: str) -> None:
     """The command a deployment runs on each rollout (`space admin migrate`), as a process."""
-    admin = connect(database).execution_options(isolation_level="AUTOCOMMIT")
-    async with admin.connect() as conn:
-        await conn.exec_driver_sql("CREATE DATABASE rollout")
-    await admin.dispose()
-    url = database.replace("/postgres?", "/rollout?")
+    url = await new_database(database, "rollout")
     head = ScriptDirectory(str(migrate.MIGRATIONS)).get_current_head()
     assert head is not None
     for _ in range(2):  # the second rollout finds nothing to do and says the same
@@ -52,11 +49,7 @@ async def test_admin_migrate_brings_a_new_database_to_the_newest_revision(databa
 async def test_a_schema_a_later_release_migrated_is_left_as_it_is(database: str) -> None:
     """A rollback starts the previous release's services on the newer schema: they run on it
     instead of failing on a revision they do not know."""
-    admin = connect(database).execution_options(isolation_level="AUTOCOMMIT")
-    async with admin.connect() as conn:
-        await conn.exec_driver_sql("CREATE DATABASE later")
-    await admin.dispose()
-    url = database.replace("/postgres?", "/later?")
+    url = await new_database(database, "later")
     engine = connect(url)
     try:
         await migrate.upgrade(engine)
