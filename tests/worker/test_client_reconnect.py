@@ -4,6 +4,7 @@ stream or not, and fail once the wait is over; the controller's calls fail at on
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import AsyncIterator
 
@@ -115,12 +116,21 @@ async def test_a_request_that_reached_the_worker_is_never_sent_again() -> None:
     assert calls == ["/vms/vm-1"]
 
 
-async def test_a_name_that_does_not_resolve_is_not_waited_for() -> None:
-    client = WorkerClient("secret", reconnect_s=10)
+async def test_a_connection_that_fails_otherwise_than_refused_is_not_waited_for() -> None:
+    """A worker that accepts and hangs up before TLS is done (as one showing no certificate, or
+    not speaking TLS, does) will not mend in seconds: the call fails at once."""
+
+    async def hang_up(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = WorkerClient("secret", tls=ssl.create_default_context(), reconnect_s=10)
     started = time.monotonic()
     try:
         with pytest.raises(WorkerError, match="unreachable"):
-            await client.delete_vm(Worker("w-nowhere", "http://worker.invalid:1"), "vm-1")
+            await client.delete_vm(Worker("w-hangs-up", f"https://127.0.0.1:{port}"), "vm-1")
     finally:
         await client.close()
+        server.close()
     assert time.monotonic() - started < 5
