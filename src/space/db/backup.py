@@ -70,9 +70,7 @@ async def _tool(name: str, *args: str, env: dict[str, str] | None = None) -> Non
         async with asyncio.timeout(TOOL_TIMEOUT_S):
             await _finished(name, proc)
     except BaseException:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _kill(proc)
         raise
 
 
@@ -110,12 +108,16 @@ async def _replace_schema(dbname: str, src: Path, env: dict[str, str]) -> None:
             stdin.close()  # psql commits at the end of its input: only a whole script gets there
             await applied
     except BaseException:
-        for proc in (script, psql):
-            if proc.returncode is None:
-                proc.kill()  # psql killed before the end of its input commits nothing
-                await proc.wait()
+        await _kill(script, psql)  # psql killed before the end of its input commits nothing
         applied.cancel()
         raise
+
+
+async def _kill(*procs: asyncio.subprocess.Process) -> None:
+    for proc in procs:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def _finished(name: str, proc: asyncio.subprocess.Process) -> None:
