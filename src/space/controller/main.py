@@ -72,14 +72,15 @@ async def _lead(
     pools = Pools(store, settings.pools)
     builds = upkeep.TemplateBuilds(store, workers, sealer, leadership)
     reconciler = Reconciler(store, workers, listener, pools, sealer, leadership, cs)
-    both = (store, workers)
     loops: list[Callable[[], Awaitable[None]]] = [
         reconciler.run,
         partial(upkeep.every, 1.0, "drains", reconciler.moves.drain),
         partial(pools.run, listener),
         partial(upkeep.every, cs.probe_interval_s, "worker health", health.once),
         partial(upkeep.every, 1.0, "timeouts", partial(upkeep.timeouts, store)),
-        partial(upkeep.every, cs.gc_interval_s, "gc", partial(upkeep.collect_garbage, *both)),
+        partial(
+            upkeep.every, cs.gc_interval_s, "gc", partial(upkeep.collect_garbage, store, workers)
+        ),
         partial(upkeep.every, 1.0, "volumes", partial(upkeep.delete_volumes, store, workers)),
         partial(upkeep.every, 5.0, "volume pushes", partial(upkeep.push_volumes, store, workers)),
         partial(upkeep.every, 2.0, "volume moves", partial(upkeep.move_volumes, store, workers)),
