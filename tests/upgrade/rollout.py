@@ -6,8 +6,6 @@ Shared by tests/upgrade and bench/rolling_upgrade.py."""
 
 from __future__ import annotations
 
-import base64
-import json
 import re
 import secrets
 import statistics
@@ -23,6 +21,7 @@ import httpx
 
 from space import release
 
+from ..platform.helpers import run
 from ..stack import SPACE, Platform, Service, release_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,13 +134,10 @@ class Traffic:
         sandbox_id = made.json()["id"]
         r.create_s, t = time.monotonic() - t, time.monotonic()
         try:
-            with c.stream("POST", f"/v1/sandboxes/{sandbox_id}/exec", json={"cmd": "echo ok"}) as s:
-                assert s.status_code == 200, f"exec: {s.status_code} {s.read()[:300]!r}"
-                events = [json.loads(line) for line in s.iter_lines() if line]
+            out, err, code = run(c, sandbox_id, "echo ok")
         except httpx.TransportError as e:
             raise AssertionError(f"exec: {type(e).__name__}: {e}") from e
-        out = b"".join(base64.b64decode(e["data"]) for e in events if e["type"] == "stdout")
-        assert out == b"ok\n" and events[-1].get("exit_code") == 0, f"exec: {events}"
+        assert (out, code) == (b"ok\n", 0), f"exec: {out!r} {err!r} {code}"
         r.exec_s, t = time.monotonic() - t, time.monotonic()
         gone = _again(lambda: c.delete(f"/v1/sandboxes/{sandbox_id}"), "delete")
         assert gone.status_code in (200, 202, 204), f"delete: {gone.status_code} {gone.text}"
