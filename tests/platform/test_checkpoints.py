@@ -25,8 +25,10 @@ from .helpers import counter_runs, create, key_with_quotas, out, start_counter
 POOL = Path("/var/lib/space/pool")
 
 
-def on_disk(platform: Platform, sandbox_id: str) -> Path:
-    return POOL / "workers" / platform.worker_id / "checkpoints" / sandbox_id
+def on_disk(c: httpx.Client, sandbox_id: str) -> Path:
+    """Where the sandbox's worker keeps its checkpoints (a test may have added a worker)."""
+    worker_id = c.get(f"/v1/sandboxes/{sandbox_id}").json()["worker_id"]
+    return POOL / "workers" / str(worker_id) / "checkpoints" / sandbox_id
 
 
 def checkpoint(c: httpx.Client, sandbox_id: str, **body: str) -> dict[str, object]:
@@ -50,7 +52,7 @@ def test_rollback_brings_back_files_and_running_processes(platform: Platform) ->
         ck = checkpoint(c, sid, name="clean")
         assert ck["state"] == "ready" and ck["name"] == "clean" and ck["sandbox_id"] == sid
         assert int(ck["size_bytes"]) > 0 and float(ck["paused_ms"]) > 0  # type: ignore[arg-type]
-        assert (on_disk(platform, sid) / str(ck["id"]) / "snapshot.json").exists()
+        assert (on_disk(c, sid) / str(ck["id"]) / "snapshot.json").exists()
         listed = c.get(f"/v1/sandboxes/{sid}/checkpoints").json()["items"]
         assert [k["id"] for k in listed] == [ck["id"]]
         assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
@@ -68,15 +70,16 @@ def test_rollback_brings_back_files_and_running_processes(platform: Platform) ->
         second = checkpoint(c, sid)
         r = c.delete(f"/v1/sandboxes/{sid}/checkpoints/{ck['id']}")
         assert r.status_code == 204
-        assert not (on_disk(platform, sid) / str(ck["id"])).exists()
+        assert not (on_disk(c, sid) / str(ck["id"])).exists()
         assert c.get(f"/v1/sandboxes/{sid}/checkpoints/{ck['id']}").status_code == 404
         r = c.post(f"/v1/sandboxes/{sid}/checkpoints/{ck['id']}/rollback")
         assert r.status_code == 404
 
         # Deleting the sandbox deletes its checkpoints, on the worker's disk too.
-        assert (on_disk(platform, sid) / str(second["id"])).exists()
+        saved = on_disk(c, sid)
+        assert (saved / str(second["id"])).exists()
         assert c.delete(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"
-        assert gone(on_disk(platform, sid))
+        assert gone(saved)
         assert c.get(f"/v1/sandboxes/{sid}/checkpoints").json()["items"] == []
 
 
@@ -135,7 +138,7 @@ def test_bad_requests_and_other_tenants_are_refused(platform: Platform) -> None:
             b.post(f"{base}/fork", json={"count": 1, "checkpoint": ck["id"]}),
         ):
             assert r.status_code == 404, (r.request.url, r.text)
-        assert (on_disk(platform, sid) / str(ck["id"])).exists()  # none of that touched it
+        assert (on_disk(a, sid) / str(ck["id"])).exists()  # none of that touched it
         for body in ({"count": 0}, {"count": 17}, {"count": "many"}, {"env": {"1x": "y"}},
                      {"surprise": 1}):  # fmt: skip
             r = a.post(f"{base}/fork", json=body)
@@ -156,7 +159,7 @@ def test_a_checkpoint_leaves_volumes_alone(platform: Platform) -> None:
         sid = create(c, volumes=[{"volume": vol, "path": "/data"}])["id"]
         out(c, sid, "echo one > /data/note; echo one > /root/note; sync")
         ck = checkpoint(c, sid)
-        saved = on_disk(platform, sid) / str(ck["id"])
+        saved = on_disk(c, sid) / str(ck["id"])
         assert sorted(p.name for p in saved.iterdir() if p.suffix != ".json") == [
             "disk.img", "state.bin",
         ]  # fmt: skip
@@ -284,7 +287,7 @@ def test_checkpoints_and_forks_count_against_the_quotas(platform: Platform, tigh
         assert r.status_code == 429 and "checkpoints" in r.json()["detail"], r.text
         used = c.get("/v1/quotas").json()["used"]
         assert used["checkpoints"] == 2 and used["checkpoint_mib"] > 0
-        assert len(list(on_disk(platform, sid).iterdir())) == 2  # the refused one made nothing
+        assert len(list(on_disk(c, sid).iterdir())) == 2  # the refused one made nothing
         c.delete(f"/v1/sandboxes/{sid}/checkpoints/{first['id']}")
         checkpoint(c, sid)  # room again
 

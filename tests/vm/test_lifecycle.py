@@ -19,8 +19,10 @@ from space.worker.agent_client import (
 )
 from space.worker.local import LocalRuntime
 from space.worker.machine import Machine
+from space.worker.storage.reflink import clone_file
 from space.worker.vmm.base import SnapshotInfo, VMState
 from space.worker.vmm.process import VMM_NICE
+from space.worker.vmm.qemu import QemuVM
 
 from .conftest import leftovers, vmm_pids
 
@@ -99,6 +101,31 @@ async def test_snapshot_restore_keeps_processes_and_files_and_renews_identity(
             for m in restored:
                 await m.close()
     finally:
+        shutil.rmtree(snap.path)
+
+
+async def test_a_restored_guest_runs_again_with_the_host_already_on_its_agent_port(
+    runtime: LocalRuntime,
+) -> None:
+    """The snapshot saw the host connected to the agent's port. Were the host not there when
+    the guest runs again, QEMU would tell the guest it left and came back, beside the port's
+    data: the guest could drop the connection we authenticated on and ignore what came next."""
+    async with await Machine.boot(runtime.driver, runtime.pool, runtime.images) as origin:
+        snap = await origin.snapshot(runtime.pool.snapshots / f"test-{origin.id}")
+    run_dir = runtime.pool.vms / f"paused-{origin.id}"
+    run_dir.mkdir()
+    try:
+        clone_file(snap.path / snap.files["disk"], run_dir / "disk.img")
+        config = snap.config.with_changes(rootfs=run_dir / "disk.img", vm_id=run_dir.name)
+        vm = await runtime.driver.restore(snap, config, run_dir, paused=True)
+        try:
+            assert isinstance(vm, QemuVM)
+            assert vm.status().state == VMState.PAUSED
+            assert await vm.agent_connected()
+        finally:
+            await vm.kill()
+    finally:
+        shutil.rmtree(run_dir)
         shutil.rmtree(snap.path)
 
 

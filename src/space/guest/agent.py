@@ -43,6 +43,7 @@ Inbox = asyncio.Queue[tuple[p.FrameType, bytes]]
 Op = Callable[["Connection", int, Json], Awaitable[Json]]
 
 HOST_POLL_S = 0.5  # a disconnected virtio port is checked this often even without a SIGIO
+HOST_LEFT = "the host left the agent's port"
 
 
 # --- one host connection --------------------------------------------------------------------
@@ -293,6 +294,7 @@ class Agent:
             finally:
                 rtrans.close()
                 wtrans.abort()
+            log(HOST_LEFT)
 
     async def serve_vsock(self, port: int) -> None:
         sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)

@@ -66,6 +66,7 @@ STATE_FD = 3
 TAP_FD = 4
 QMP_FD = 5
 AGENT_FD = 6
+AGENT_CHARDEV = "agent"
 CONSOLE_FD = 7
 DISK_FD = 8
 DRIVE_FD = 9  # extra drive i: DRIVE_FD + i
@@ -114,6 +115,8 @@ class QemuVM(VM):
         self._ending = False  # stop/kill asked for: the exit is not a crash
         self._exited = asyncio.Event()
         self._fd_lock = asyncio.Lock()
+        # A restore's agent stream, opened before the guest ran again (see `_connect_paused`).
+        self._held_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._watcher = asyncio.ensure_future(self._watch())
 
     # --- process lifetime ---------------------------------------------------------------------
@@ -145,6 +148,7 @@ class QemuVM(VM):
 
     async def _release(self) -> None:
         """Remove everything this VM made; never the caller's disk."""
+        self._drop_held_stream()
         if self._qmp is not None:
             with contextlib.suppress(Exception):
                 await self._qmp.disconnect()
@@ -379,7 +383,40 @@ class QemuVM(VM):
 
     async def open_agent_stream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         self._check_alive()
+        if self._held_stream is not None:
+            held, self._held_stream = self._held_stream, None
+            return held
         return await asyncio.open_unix_connection(str(self.run_dir / AGENT_SOCKET), limit=1 << 22)
+
+    async def _connect_paused(self) -> None:
+        """Open the agent's stream while the restored guest is still stopped.
+
+        The snapshot recorded the host as connected to the agent's port. Were it not connected
+        once the guest runs, QEMU would tell the guest it left, then that it came back; those
+        notices travel beside the port's data, so the guest could see the host leave after it
+        had already read our hello, and drop the authenticated connection we go on using."""
+        if self._held_stream is not None:
+            return
+        self._held_stream = await self.open_agent_stream()
+        deadline = time.monotonic() + QMP_TIMEOUT_S
+        while time.monotonic() < deadline:  # until QEMU has taken the connection
+            if await self.agent_connected():
+                return
+            await asyncio.sleep(0.001)
+        raise VMMUnresponsive(
+            f"its VMM did not take the agent's connection within {QMP_TIMEOUT_S:.0f} s"
+        )
+
+    async def agent_connected(self) -> bool:
+        """Whether QEMU holds a host connection to the agent's port."""
+        chardevs = await self._execute("query-chardev")
+        return any(c["label"] == AGENT_CHARDEV and not c["filename"].startswith("disconnected:")
+                   for c in chardevs)  # fmt: skip
+
+    def _drop_held_stream(self) -> None:
+        if self._held_stream is not None:
+            self._held_stream[1].close()
+            self._held_stream = None
 
     @property
     def console_log(self) -> Path:
@@ -469,8 +506,8 @@ class QemuDriver(Driver):
             "-drive", f"id=root,file=/dev/fdset/{DISK_FD},{drive_options},discard=unmap",
             "-device", "virtio-blk-device,drive=root",
             "-device", "virtio-serial-device,max_ports=2",
-            "-chardev", f"socket,id=agent,fd={AGENT_FD},server=on,wait=off",
-            "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME}",
+            "-chardev", f"socket,id={AGENT_CHARDEV},fd={AGENT_FD},server=on,wait=off",
+            "-device", f"virtserialport,chardev={AGENT_CHARDEV},name={AGENT_PORT_NAME}",
             "-object", "rng-random,id=rng,filename=/dev/urandom",
             "-device", "virtio-rng-device,rng=rng",
             *_fd_file(CONSOLE_FD, run_dir / CONSOLE_LOG),
@@ -683,6 +720,7 @@ class QemuDriver(Driver):
                 if status == "running":
                     break
                 if status == "paused":
+                    await vm._connect_paused()
                     if paused:
                         vm._state = VMState.PAUSED
                         vm.save()
