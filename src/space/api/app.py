@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from space import __version__, crashpoints, e2b
 from space.api import (
+    audit,
     checkpoints,
     console,
     data,
@@ -33,6 +34,7 @@ from space.api import (
     volumes,
     workers,
 )
+from space.api.audit_trail import AuditTrail
 from space.api.deps import Services
 from space.api.limits import BodyLimit, RateLimiter
 from space.api.previews import PreviewHosts
@@ -92,6 +94,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
+    app.add_middleware(AuditTrail)  # innermost: it sees a preview host's request as rewritten
     app.add_middleware(BodyLimit)  # before any body is read
     # Outside the body limit, which looks at the path a preview host's request is given.
     app.add_middleware(PreviewHosts, domain=settings.api.preview_domain)
@@ -114,6 +117,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     app.include_router(ingress_ws.router)
     app.include_router(previews.router)
     app.include_router(metrics.router)
+    app.include_router(audit.router)
     app.include_router(console.router)
     app.mount(e2b.PREFIX, e2b_app.create(app.state))
 

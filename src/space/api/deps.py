@@ -13,6 +13,7 @@ from typing import Annotated
 from fastapi import Depends, Request, WebSocket
 
 from space import logs
+from space.api import audit_trail
 from space.api.errors import APIError
 from space.api.limits import RateLimiter
 from space.db.listen import Listener
@@ -146,6 +147,7 @@ async def authenticate(svc: Services, key: str) -> Tenant:
 def admit(svc: Services, tenant: Tenant) -> Tenant:
     """The tenant, unless it is past its rate (429)."""
     logs.bind(tenant=tenant.id)
+    audit_trail.note_caller(tenant)
     if wait := svc.rates.take(tenant.id):
         raise APIError(
             429,

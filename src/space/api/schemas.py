@@ -426,6 +426,34 @@ class Link(BaseModel):
     expires_at: datetime
 
 
+class AuditRecord(BaseModel):
+    """One call that changed something, or tried to (`outcome`: ok, refused or failed)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    at: datetime | None
+    tenant_id: str | None
+    key_id: str | None
+    admin: bool
+    method: str
+    action: str = Field(
+        description='the route it took, e.g. "POST /v1/sandboxes/{sandbox_id}/pause"'
+    )
+    path: str
+    params: dict[str, str]
+    created: str | None = Field(description="the id of what the call made, if it made one")
+    status: int
+    outcome: Literal["ok", "refused", "failed"]
+    request_id: str | None
+    remote: str | None
+
+
+class AuditPage(BaseModel):
+    items: list[AuditRecord]
+    next: int | None = Field(description="pass as `after` for the next page; null: no more")
+
+
 class Problem(BaseModel):
     type: str = "about:blank"
     title: str

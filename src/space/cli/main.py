@@ -59,6 +59,10 @@ COMMANDS = {
         "space.cli.volumes:volume",
         "Volumes: mount one in a sandbox with `space sandbox create --volume ID:/path[:ro]`.",
     ),
+    "audit": LazyCommand(
+        "space.cli.audit:audit",
+        "The control plane's audit log: who changed what, when, from where, how it ended.",
+    ),
     # On this host
     "template": LazyCommand(
         "space.cli.templates:template", "Build and list templates on this host."

@@ -25,7 +25,13 @@ if TYPE_CHECKING:
         AsyncSandbox,
         AsyncSpace,
     )
-    from space.client._calls import CreateOptions, ExecOptions, ListFilters, RequestOptions
+    from space.client._calls import (
+        AuditFilters,
+        CreateOptions,
+        ExecOptions,
+        ListFilters,
+        RequestOptions,
+    )
     from space.client._errors import (
         APIError,
         AuthenticationError,
@@ -38,6 +44,7 @@ if TYPE_CHECKING:
     )
     from space.client._models import (
         AuditEvent,
+        AuditRecord,
         CheckpointInfo,
         Event,
         ExecResult,
@@ -66,6 +73,8 @@ __all__ = [
     "AsyncSpace",
     "AsyncTerminal",
     "AuditEvent",
+    "AuditFilters",
+    "AuditRecord",
     "AuthenticationError",
     "CheckpointInfo",
     "ConflictError",

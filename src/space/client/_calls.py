@@ -14,6 +14,7 @@ import ssl
 import tarfile
 from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, runtime_checkable
 from urllib.parse import quote
@@ -25,6 +26,7 @@ from space.client._config import resolve_credentials
 from space.client._errors import SpaceError
 from space.client._models import (
     AuditEvent,
+    AuditRecord,
     CheckpointInfo,
     Event,
     FileEntry,
@@ -444,6 +446,32 @@ def volumes() -> Call[list[VolumeInfo]]:
 
 def delete_volume(volume_id: str) -> Call[VolumeInfo]:
     return Call("DELETE", f"{VOLUMES}/{quote(volume_id, safe='')}", _json(VolumeInfo.from_json))
+
+
+class AuditFilters(TypedDict, total=False):
+    """Which entries of the control plane's audit log `audit_log` answers."""
+
+    since: datetime | None
+    until: datetime | None
+    tenant: str | None  # an admin key's question: one tenant's entries
+    key: str | None
+    subject: str | None  # an id the call named in its path or made
+    action: str | None  # a part of the route, e.g. "/pause" or "DELETE"
+
+
+def audit_log(after: int, limit: int, filters: AuditFilters) -> Call[list[AuditRecord]]:
+    params = [("after", str(after)), ("limit", str(limit))]
+    for name, value in filters.items():
+        if isinstance(value, datetime):
+            params.append((name, value.isoformat()))
+        elif isinstance(value, str):
+            params.append((name, value))
+    return Call(
+        "GET",
+        "/v1/audit",
+        _json(lambda data: [AuditRecord.from_json(item) for item in data["items"]]),
+        params=params,
+    )
 
 
 SECRETS = "/v1/secrets"

@@ -300,6 +300,42 @@ class PreviewLink:
 
 
 @dataclass(frozen=True)
+class AuditRecord:
+    """One call that changed something through the control plane, or tried to: who (tenant,
+    key), what (`action`: the route; `created`: what it made), when, from where, how it ended."""
+
+    id: int
+    at: datetime
+    tenant_id: str | None
+    key_id: str | None
+    admin: bool
+    action: str
+    params: dict[str, str]
+    created: str | None
+    status: int
+    outcome: str  # ok, refused or failed
+    request_id: str | None
+    remote: str | None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AuditRecord:
+        return cls(
+            id=int(data["id"]),
+            at=_time(data["at"]),
+            tenant_id=data.get("tenant_id"),
+            key_id=data.get("key_id"),
+            admin=bool(data.get("admin")),
+            action=data["action"],
+            params=dict(data.get("params") or {}),
+            created=data.get("created"),
+            status=int(data["status"]),
+            outcome=data["outcome"],
+            request_id=data.get("request_id"),
+            remote=data.get("remote"),
+        )
+
+
+@dataclass(frozen=True)
 class AuditEvent:
     """One decision of the sandbox's gateway on its egress (`kind`: dns, tcp, tls, http, https,
     policy; `decision`: allow or deny)."""

@@ -28,6 +28,7 @@ from space.client._errors import NotFoundError, error_from_response, transport_e
 from space.client._exec import ExecStreamBase, Output, OutputCallback, OutputCollector
 from space.client._models import (
     AuditEvent,
+    AuditRecord,
     CheckpointInfo,
     Event,
     ExecResult,
@@ -91,6 +92,13 @@ class Space:
     def delete_volume(self, volume_id: str) -> VolumeInfo:
         """Deletes its data; refused while a sandbox that is not deleted has it."""
         return self._call(calls.delete_volume(volume_id))
+
+    def audit_log(
+        self, after: int = 0, limit: int = 100, **filters: Unpack[calls.AuditFilters]
+    ) -> list[AuditRecord]:
+        """The control plane's audit log, oldest first, from the entry after id `after`: the
+        tenant's own entries (an admin key's: everyone's, or `tenant`'s)."""
+        return self._call(calls.audit_log(after, limit, filters))
 
     def set_secret(self, name: str, value: str) -> SecretInfo:
         """Create or replace a secret (sealed at rest); bind it to a sandbox's hosts with

@@ -240,6 +240,29 @@ strays = sa.Table(
     sa.Column("discarded", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
+# Every call that changed something through the control plane, or tried to (db/store/audit.py).
+# Append-only: a trigger refuses UPDATE, DELETE and TRUNCATE (migration 0016).
+audit_log = sa.Table(
+    "audit_log",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("tenant_id", sa.Text),  # no foreign key: the trail outlives what it names
+    sa.Column("key_id", sa.Text),
+    sa.Column("admin", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("method", sa.Text, nullable=False),
+    sa.Column(
+        "action", sa.Text, nullable=False
+    ),  # the route: "POST /v1/sandboxes/{sandbox_id}/pause"
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("params", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("created", sa.Text),  # the id of what the call made, when it answered one
+    sa.Column("status", sa.Integer, nullable=False),
+    sa.Column("request_id", sa.Text),
+    sa.Column("remote", sa.Text),
+    sa.Index("audit_log_tenant", "tenant_id", "id"),
+)
+
 leases = sa.Table(
     "leases",
     metadata,

@@ -3,13 +3,15 @@
 `Store(engine)` has every query; the modules say where each kind lives: `tenants` (and API
 keys), `templates` (and their builds), `pools` (warm-pool members and claims), `sandboxes`
 (rows, transitions, events), `checkpoints` (and forks), `secrets`, `volumes`, `workers`,
-`leases` (leadership).
+`leases` (leadership),
+`audit` (the control plane's trail).
 """
 
 from __future__ import annotations
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from space.db.store.audit import AuditEntry, AuditQueries, AuditQuery
 from space.db.store.base import (
     CHANNEL,
     POOL_NAME,
@@ -48,6 +50,7 @@ class Store(
     VolumeQueries,
     WorkerQueries,
     LeaseQueries,
+    AuditQueries,
 ):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -63,6 +66,8 @@ __all__ = [
     "POOL_NAME",
     "POOL_TENANT",
     "TRANSITIONAL",
+    "AuditEntry",
+    "AuditQuery",
     "Conflict",
     "NotFound",
     "Refused",
