@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from space import __version__
+from space.cli import interrupt
 from space.cli.lazy import LazyCommand, LazyGroup
 
 COMMANDS = {
@@ -100,13 +101,31 @@ COMMANDS = {
 }
 
 
-@click.group(cls=LazyGroup, lazy=COMMANDS)
+# Ctrl-C (space.cli.interrupt): services stop on their own signals, draining what they serve;
+# commands on this host stop VMs and processes there, and that clean-up is waited for.
+SERVICES = frozenset({"up", "api", "controller", "worker", "mcp"})
+ON_THIS_HOST = frozenset({"template", "image", "vm", "doctor", "admin"})
+
+
+class Commands(LazyGroup):
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            ctx.exit(interrupt.STATUS)  # interrupted, not an error: no "Aborted!"
+
+
+@click.group(cls=Commands, lazy=COMMANDS)
 @click.version_option(__version__, prog_name="space")
 @click.option("-v", "--verbose", is_flag=True, help="Log what happens underneath.")
-def cli(verbose: bool) -> None:
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
     """SPACE: sandboxed microVMs for agents."""
     import logging
 
+    command = ctx.invoked_subcommand
+    if command not in SERVICES:
+        interrupt.stop_at_ctrl_c(None if command in ON_THIS_HOST else interrupt.GRACE_S)
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

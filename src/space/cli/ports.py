@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from space.cli import interrupt
 from space.cli.completion import complete_sandbox_ids
 from space.cli.sandbox import _api_options, _sdk_errors
 
@@ -129,7 +130,11 @@ def forward(
     async def serve() -> None:
         async with AsyncSpace(api_url, api_key) as space:
             app = forwarder(space, sandbox_id, port)
-            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+            # Its own Ctrl-C handling waits for the requests it serves: a bounded wait, as every
+            # command's (space.cli.interrupt), even for one stuck on an API that never answers.
+            config = uvicorn.Config(app, log_level="warning", lifespan="off",
+                                    timeout_graceful_shutdown=interrupt.GRACE_S)  # fmt: skip
+            server = uvicorn.Server(config)
             click.echo(f"forwarding http://{host}:{bound}/ to port {port} of {sandbox_id} "
                        "(Ctrl-C to stop)", err=True)  # fmt: skip
             await server.serve(sockets=[listener])
