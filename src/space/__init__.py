@@ -50,6 +50,8 @@ if TYPE_CHECKING:
         Terminal,
         ValidationError,
         VolumeInfo,
+        WebhookSignatureError,
+        verify_webhook,
     )
 
 __all__ = [
@@ -93,7 +95,9 @@ __all__ = [
     "Terminal",
     "ValidationError",
     "VolumeInfo",
+    "WebhookSignatureError",
     "__version__",
+    "verify_webhook",
 ]
 
 

@@ -32,6 +32,7 @@ from space.api import (
     templates,
     tenants,
     volumes,
+    webhooks,
     workers,
 )
 from space.api.audit_trail import AuditTrail
@@ -118,6 +119,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     app.include_router(previews.router)
     app.include_router(metrics.router)
     app.include_router(audit.router)
+    app.include_router(webhooks.router)
     app.include_router(console.router)
     app.mount(e2b.PREFIX, e2b_app.create(app.state))
 

@@ -19,11 +19,10 @@ from space.api.limits import RateLimiter
 from space.db.listen import Listener
 from space.db.sealing import Sealer
 from space.db.store import Conflict, Row, Store, Tenant
-from space.gateway.policy import EgressFloor
 from space.identity import WorkerCA
 from space.netpolicy import NetworkPolicy
-from space.networks import SANDBOX_RANGES
 from space.settings import Settings
+from space.webhooks.targets import egress_floor
 from space.worker.api.client import Worker, WorkerClient
 
 RECHECK_S = 2.0  # a waiter looks again this often even without a notification
@@ -62,10 +61,7 @@ class Services:
         """422 naming every part of a policy that asks for what no sandbox may reach (the
         host, cloud metadata, other sandboxes, private networks the operator did not open);
         the gateway refuses those dials anyway."""
-        floor = EgressFloor(
-            open_networks=list(self.settings.egress_open_networks),
-            closed_networks=[str(SANDBOX_RANGES)],
-        )
+        floor = egress_floor(list(self.settings.egress_open_networks))
         if refused := floor.refusals(network.gateway()):
             raise APIError(422, "network policy refused: " + "; ".join(refused))
 

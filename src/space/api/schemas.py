@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from space.netpolicy import NetworkPolicy, SecretBinding
+from space.webhooks.events import EVENT_TYPES
 from space.worker.api.models import check_build_source, check_tag
 
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]{2,39}$"
@@ -452,6 +453,62 @@ class AuditRecord(BaseModel):
 class AuditPage(BaseModel):
     items: list[AuditRecord]
     next: int | None = Field(description="pass as `after` for the next page; null: no more")
+
+
+WebhookEvent = Literal[EVENT_TYPES]  # type: ignore[valid-type]
+
+
+class NewWebhook(Strict):
+    url: str = Field(min_length=1, max_length=2048, description="http:// or https://")
+    events: list[WebhookEvent] = Field(
+        default_factory=lambda: list(EVENT_TYPES), min_length=1, max_length=len(EVENT_TYPES),
+        description="the event types it is sent (default: all)",
+    )  # fmt: skip
+    description: str = Field("", max_length=200)
+
+
+class WebhookInfo(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    url: str
+    events: list[str]
+    description: str
+    created_at: datetime
+
+
+class CreatedWebhook(WebhookInfo):
+    secret: str = Field(description="signs every delivery (Space-Signature): shown this once")
+
+
+class WebhookList(BaseModel):
+    items: list[WebhookInfo]
+
+
+class WebhookAttempt(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    at: datetime
+    status: int | None = Field(description="the endpoint's answer; null: none came")
+    error: str | None
+    ms: float
+
+
+class WebhookDelivery(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    event_id: int
+    type: str
+    payload: dict[str, Any]
+    state: Literal["pending", "delivered", "failed"]
+    attempts: list[WebhookAttempt]
+    created_at: datetime
+    next_at: datetime
+
+
+class WebhookDeliveryList(BaseModel):
+    items: list[WebhookDelivery]
 
 
 class Problem(BaseModel):

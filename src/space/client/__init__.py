@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from space.client._pty import AsyncPty, AsyncTerminal, Pty, Terminal
     from space.client._sync import ExecStream, Files, Processes, Sandbox, Space
     from space.client._watch import AsyncFileWatch, FileWatch
+    from space.client._webhooks import WebhookSignatureError, verify_webhook
 
 __all__ = [
     "APIError",
@@ -106,10 +107,12 @@ __all__ = [
     "Terminal",
     "ValidationError",
     "VolumeInfo",
+    "WebhookSignatureError",
+    "verify_webhook",
 ]
 
 # Searched in this order, lightest first: errors and models need no HTTP stack.
-_MODULES = ("_errors", "_models", "_calls", "_watch", "_pty", "_sync", "_async")
+_MODULES = ("_errors", "_models", "_webhooks", "_calls", "_watch", "_pty", "_sync", "_async")
 
 
 def __getattr__(name: str) -> Any:

@@ -22,6 +22,8 @@ from space.db.store import Store, connect
 from space.identity import WorkerCA
 from space.metrics_server import serve_metrics
 from space.settings import Settings
+from space.webhooks.dispatch import Webhooks
+from space.webhooks.targets import egress_floor
 from space.worker.api.client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ async def _lead(
     pools = Pools(store, settings.pools)
     builds = upkeep.TemplateBuilds(store, workers, sealer, leadership)
     reconciler = Reconciler(store, workers, listener, pools, sealer, leadership, cs)
+    webhooks = Webhooks(store, sealer, egress_floor(list(settings.egress_open_networks)))
     loops: list[Callable[[], Awaitable[None]]] = [
         reconciler.run,
         partial(upkeep.every, 1.0, "drains", reconciler.moves.drain),
@@ -86,6 +89,7 @@ async def _lead(
         partial(upkeep.every, 2.0, "volume moves", partial(upkeep.move_volumes, store, workers)),
         partial(upkeep.every, 60.0, "stale", partial(upkeep.stale_checkpoints, store, workers)),
         partial(upkeep.every, 0.5, "templates", builds.once),
+        partial(upkeep.every, 0.5, "webhooks", webhooks.once),
     ]
     tasks = [asyncio.ensure_future(leadership.hold()), *(asyncio.ensure_future(f()) for f in loops)]
     try:
@@ -99,4 +103,5 @@ async def _lead(
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await webhooks.close()
         await listener.close()

@@ -16,6 +16,7 @@ from space.controller.placement import Need, pick_worker, place
 from space.db.sealing import Sealer
 from space.db.store import Conflict, NotFound, Row, Store
 from space.db.store.templates import build_context
+from space.webhooks.events import TIMED_OUT
 from space.worker.api.client import Worker, WorkerClient, WorkerError
 from space.worker.api.models import AdoptVolume, BuildRequest, CheckpointSource
 
@@ -33,8 +34,9 @@ async def timeouts(store: Store) -> None:
         desired, verb = TIMEOUT_ACTIONS.get(row["timeout_action"], ("paused", "pause"))
         try:
             await store.request(
-                row["tenant_id"], row["id"], desired, ("running",), verb, only_if_desired="running"
-            )
+                row["tenant_id"], row["id"], desired, ("running",), verb,
+                only_if_desired="running", reason=TIMED_OUT,
+            )  # fmt: skip
             log.info("sandbox %s timed out: %s", row["id"], verb)
         except (Conflict, NotFound):
             pass  # it changed meanwhile

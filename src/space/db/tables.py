@@ -263,6 +263,66 @@ audit_log = sa.Table(
     sa.Index("audit_log_tenant", "tenant_id", "id"),
 )
 
+# Lifecycle webhooks (space.webhooks): a tenant's endpoints, what is owed to each, every try.
+webhooks = sa.Table(
+    "webhooks",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("events", JSONB, nullable=False),  # the event types it wants
+    sa.Column("description", sa.Text, nullable=False, server_default=""),
+    sa.Column("key_id", sa.Text, nullable=False),  # of the sealing key of its signing secret
+    sa.Column("sealed_secret", sa.LargeBinary, nullable=False),
+    sa.Column("after_event", sa.BigInteger, nullable=False),  # it is owed only later events
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Index("webhooks_tenant", "tenant_id"),
+)
+
+webhook_deliveries = sa.Table(
+    "webhook_deliveries",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column(
+        "webhook_id", sa.Text, sa.ForeignKey("webhooks.id", ondelete="CASCADE"), nullable=False
+    ),
+    sa.Column("event_id", sa.BigInteger, nullable=False),
+    sa.Column("type", sa.Text, nullable=False),
+    sa.Column("payload", JSONB, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("next_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    # delivered (a 2xx), failed (retried for a day and given up), or pending
+    sa.Column("state", sa.Text, nullable=False, server_default="pending"),
+    sa.UniqueConstraint("webhook_id", "event_id", "type"),
+    sa.Index("webhook_deliveries_due", "state", "next_at"),
+)
+
+webhook_attempts = sa.Table(
+    "webhook_attempts",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column(
+        "delivery_id",
+        sa.BigInteger,
+        sa.ForeignKey("webhook_deliveries.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("status", sa.Integer),  # the endpoint's answer; null: none came
+    sa.Column("error", sa.Text),
+    sa.Column("ms", sa.Float, nullable=False),
+    sa.Index("webhook_attempts_delivery", "delivery_id"),
+)
+
+# How far the leader has read `events` for webhooks (one row).
+webhook_cursor = sa.Table(
+    "webhook_cursor",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("event_id", sa.BigInteger, nullable=False),
+)
+
 leases = sa.Table(
     "leases",
     metadata,

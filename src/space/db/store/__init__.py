@@ -4,7 +4,7 @@
 keys), `templates` (and their builds), `pools` (warm-pool members and claims), `sandboxes`
 (rows, transitions, events), `checkpoints` (and forks), `secrets`, `volumes`, `workers`,
 `leases` (leadership),
-`audit` (the control plane's trail).
+`audit` (the control plane's trail), `webhooks` (endpoints, deliveries, attempts).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from space.db.store.strays import StrayQueries
 from space.db.store.templates import TemplateQueries
 from space.db.store.tenants import KEY_PREFIX, TenantQueries, key_id_of
 from space.db.store.volumes import VolumeQueries
+from space.db.store.webhooks import WebhookQueries
 from space.db.store.workers import WorkerQueries
 
 
@@ -51,6 +52,7 @@ class Store(
     WorkerQueries,
     LeaseQueries,
     AuditQueries,
+    WebhookQueries,
 ):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
