@@ -8,7 +8,6 @@ gateway adds, and/or an environment variable in which the guest finds a placehol
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 from typing import Any, Literal
@@ -21,12 +20,6 @@ from space.gateway.policy import CidrRule, HostRule, Policy, Secret
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
-
-
-def default_egress() -> Literal["deny", "allow"]:
-    """The deployment's default for sandboxes created without a policy: `deny` (nothing goes
-    out unless a policy allows it) unless SPACE_EGRESS_DEFAULT=allow."""
-    return "allow" if os.environ.get("SPACE_EGRESS_DEFAULT") == "allow" else "deny"
 
 
 class Strict(BaseModel):
@@ -91,26 +84,34 @@ def placeholder_env(bindings: list[dict[str, Any]]) -> dict[str, str]:
     return {b["env"]: b["placeholder"] for b in bindings if b.get("env")}
 
 
+Default = Literal["deny", "allow"]  # a deployment's for sandboxes without a policy (Settings)
+
+
 def gateway_policy(
-    network: dict[str, Any] | None, bindings: list[dict[str, Any]], values: dict[str, str]
+    network: dict[str, Any] | None,
+    bindings: list[dict[str, Any]],
+    values: dict[str, str],
+    default: Default,
 ) -> Policy:
-    """The policy the gateway enforces for a sandbox: its own (or the deployment's default),
-    with the values of its bound secrets."""
-    base = NetworkPolicy.model_validate(network or {"default": default_egress()})
+    """The policy the gateway enforces for a sandbox: its own (or `default`: all of the public
+    internet, or nothing), with the values of its bound secrets."""
+    base = NetworkPolicy.model_validate(network or {"default": default})
     return base.gateway().model_copy(
         update={"secrets": [_secret(b, values[b["secret"]]) for b in bindings]}
     )
 
 
 async def policy_for(
-    store: Store, sealer: Sealer, row: Row, network: dict[str, Any] | None = None
-) -> Policy:
+    store: Store, sealer: Sealer, row: Row, default: Default,
+    network: dict[str, Any] | None = None,
+) -> Policy:  # fmt: skip
     """The gateway policy of a sandbox row (with `network` instead of its own, if given);
     Refused or SealError when a bound secret is gone or does not open."""
     bindings = row["secrets"]
     names = sorted({b["secret"] for b in bindings})
     values = await store.open_secrets(row["tenant_id"], names, sealer)
-    return gateway_policy(network if network is not None else row["network"], bindings, values)
+    own = network if network is not None else row["network"]
+    return gateway_policy(own, bindings, values, default)
 
 
 def _secret(binding: dict[str, Any], value: str) -> Secret:

@@ -268,7 +268,7 @@ class Settings:
             worker_secret=e.text("SPACE_WORKER_SECRET"),
             worker_ca_dir=Path(worker_ca) if worker_ca else None,
             secrets_keys=e.text("SPACE_SECRETS_KEYS"),
-            egress_default="allow" if e.text("SPACE_EGRESS_DEFAULT") == "allow" else "deny",
+            egress_default=e.choice("SPACE_EGRESS_DEFAULT", "deny", ("deny", "allow")),  # type: ignore[arg-type]
             egress_open_networks=e.networks("SPACE_EGRESS_OPEN_NETWORKS"),
             quotas=Quotas(
                 **{

@@ -138,6 +138,23 @@ def test_a_private_dev_without_the_devices() -> None:
     assert "mknod /dev/net/tun c 10 200" in one(document, "tun")["fix"]
 
 
+@pytest.mark.parametrize("off", ["0", "false", "no", "off"])
+def test_a_worker_without_network_needs_no_tun_however_it_is_said(off: str) -> None:
+    """The doctor reads SPACE_WORKER_NETWORK as the worker does (Settings), so "false" is off
+    for both."""
+    status, document = doctor("tun", "netns", env={"SPACE_WORKER_NETWORK": off},
+                              setup=PRIVATE_DEV)  # fmt: skip
+    assert status == 0, document
+    assert {c["id"]: c["status"] for c in document["checks"]} == {"tun": "ok", "netns": "ok"}
+    assert "not needed" in one(document, "tun")["summary"]
+
+
+def test_a_setting_the_worker_would_refuse_is_refused_by_the_doctor() -> None:
+    run = space("doctor", "--only=tun", env={"SPACE_WORKER_NETWORK": "maybe"}, status=1)
+    assert "SPACE_WORKER_NETWORK must be 0 or 1, not 'maybe'" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_loop_devices_are_only_a_warning_with_a_pool_of_ones_own(tmp_path: Path) -> None:
     env = {"SPACE_POOL_DIR": str(tmp_path)}
     _, document = doctor("loop", setup=hidden("/dev/loop-control"), env=env)

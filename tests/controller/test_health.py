@@ -60,7 +60,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 
 async def test_a_stalled_leader_does_not_call_its_workers_lost_at_once(clock: Clock) -> None:
     store = Store()
-    health = WorkerHealth(store, Silent(), None, lost_after_s=3.0, epoch=lambda: 1)  # type: ignore[arg-type]
+    health = WorkerHealth(store, Silent(), None, lost_after_s=3.0, epoch=lambda: 1,  # type: ignore[arg-type]
+                          egress_default="deny")  # fmt: skip
     clock.now += 10  # the leader itself stood still for 10 s: its first probe since fails
     await health.once()
     assert store.worker["state"] == "active" and not store.errors
@@ -72,7 +73,8 @@ async def test_a_stalled_leader_does_not_call_its_workers_lost_at_once(clock: Cl
 
 async def test_two_quick_misses_are_not_silence_either(clock: Clock) -> None:
     store = Store()
-    health = WorkerHealth(store, Silent(), None, lost_after_s=3.0, epoch=lambda: 1)  # type: ignore[arg-type]
+    health = WorkerHealth(store, Silent(), None, lost_after_s=3.0, epoch=lambda: 1,  # type: ignore[arg-type]
+                          egress_default="deny")  # fmt: skip
     for _ in range(2):  # two misses within the bound
         clock.now += 1
         await health.once()

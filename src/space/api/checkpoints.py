@@ -161,7 +161,7 @@ async def fork(sandbox_id: str, body: ForkCreate, svc: Svc, caller: Caller) -> F
         ck, _, _ = await _checkpoint(svc, caller, sandbox_id, body.checkpoint)
         if ck["state"] != "ready":
             raise APIError(409, f"checkpoint {body.checkpoint} is {ck['state']}", state=ck["state"])
-    policy = await policy_for(svc.store, svc.sealer, parent)
+    policy = await policy_for(svc.store, svc.sealer, parent, svc.settings.egress_default)
     env = {**parent["env"], **body.env}
     guest_env = {**env, **placeholder_env(parent["secrets"])}
     ids = [f"sb-{secrets.token_hex(8)}" for _ in range(body.count)]

@@ -239,7 +239,9 @@ async def _claim(
         return None  # the create path answers with the sandbox made the first time
     body = ClaimVM(
         env={**values["env"], **placeholder_env(values["secrets"])},
-        network=gateway_policy(values["network"], values["secrets"], secret_values),
+        network=gateway_policy(
+            values["network"], values["secrets"], secret_values, svc.settings.egress_default
+        ),
     )
     for _ in range(CLAIM_TRIES):
         token = secrets.token_hex(12)
@@ -362,7 +364,8 @@ async def set_network(
     svc.check_egress(body.network)
     row = await svc.store.get_sandbox(sandbox_id, caller.id)
     network = body.network.model_dump()
-    await policy_for(svc.store, svc.sealer, row, network)  # its secrets still open (404 if not)
+    # Its secrets still open (404 if not).
+    await policy_for(svc.store, svc.sealer, row, svc.settings.egress_default, network)
     row = await svc.store.set_network(
         caller.id, sandbox_id, network, request_id=logs.request_id.get()
     )

@@ -46,9 +46,12 @@ def doctor(as_json: bool, only: tuple[str, ...], problems: bool) -> None:
     Exits 1 when anything fails.
     """
     from space.doctor import run_checks, worst
+    from space.settings import SettingsError
 
     try:
         checks = run_checks(only=only)
+    except SettingsError as e:
+        raise click.ClickException(str(e)) from None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--only") from None
     if as_json:

@@ -26,7 +26,7 @@ from typing import Any
 from space.controller.leader import LostLeadership
 from space.db.sealing import Sealer, SealError
 from space.db.store import Conflict, NotFound, Refused, Row, Store
-from space.netpolicy import policy_for
+from space.netpolicy import Default, policy_for
 from space.release import refusal
 from space.worker.api.client import Worker, WorkerClient, WorkerError
 from space.worker.api.models import Health, VMReport
@@ -47,10 +47,12 @@ class WorkerHealth:
         sealer: Sealer,
         lost_after_s: float,
         epoch: Callable[[], int],
+        egress_default: Default,
     ) -> None:
         self.store = store
         self.workers = workers
         self.sealer = sealer
+        self.egress_default: Default = egress_default
         self.lost_after_s = lost_after_s
         self.epoch = epoch  # the leader's, checked before every write
         self._known: list[Row] = []
@@ -150,7 +152,7 @@ class WorkerHealth:
         elif not vm.policy:
             # The worker restarted and its VMs have been deny-all since: their policy again.
             try:
-                policy = await policy_for(self.store, self.sealer, row)
+                policy = await policy_for(self.store, self.sealer, row, self.egress_default)
                 await self.workers.set_network(worker, row["id"], policy)
             except (Refused, SealError, WorkerError) as e:
                 log.warning("sandbox %s: its egress policy not restored: %s", row["id"], e)

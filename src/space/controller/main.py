@@ -70,10 +70,12 @@ async def _lead(
     cs = settings.controller
     listener = Listener(database_url)
     await listener.start()
-    health = WorkerHealth(store, workers, sealer, cs.worker_lost_after_s, leadership.check)
+    health = WorkerHealth(store, workers, sealer, cs.worker_lost_after_s, leadership.check,
+                          settings.egress_default)  # fmt: skip
     pools = Pools(store, settings.pools)
     builds = upkeep.TemplateBuilds(store, workers, sealer, leadership)
-    reconciler = Reconciler(store, workers, listener, pools, sealer, leadership, cs)
+    reconciler = Reconciler(store, workers, listener, pools, sealer, leadership, cs,
+                            settings.egress_default)  # fmt: skip
     webhooks = Webhooks(store, sealer, egress_floor(list(settings.egress_open_networks)))
     loops: list[Callable[[], Awaitable[None]]] = [
         reconciler.run,

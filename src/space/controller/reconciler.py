@@ -29,7 +29,7 @@ from space.controller.pools import Pools
 from space.db.listen import Listener
 from space.db.sealing import Sealer, SealError
 from space.db.store import NotFound, Refused, Row, Store
-from space.netpolicy import placeholder_env, policy_for
+from space.netpolicy import Default, placeholder_env, policy_for
 from space.settings import ControllerSettings
 from space.worker.api.client import Worker, WorkerClient, WorkerError
 from space.worker.api.models import CreateVM, TemplateBuild, VolumeSpec
@@ -62,8 +62,10 @@ class Reconciler:
         sealer: Sealer,
         leadership: Leadership,
         settings: ControllerSettings,
+        egress_default: Default,
     ) -> None:
         self.sealer = sealer
+        self.egress_default: Default = egress_default
         self.store = store
         self.workers = workers
         self.listener = listener
@@ -239,7 +241,7 @@ class Reconciler:
         if worker is None:
             return False  # the health loop deals with sandboxes of lost workers
         try:
-            policy = await policy_for(self.store, self.sealer, row)
+            policy = await policy_for(self.store, self.sealer, row, self.egress_default)
         except (Refused, SealError) as e:
             await self._to(row, ["starting"], "error", reason=str(e))
             return False
@@ -315,7 +317,7 @@ class Reconciler:
         if worker is None:
             return
         try:
-            policy = await policy_for(self.store, self.sealer, row)
+            policy = await policy_for(self.store, self.sealer, row, self.egress_default)
         except (Refused, SealError) as e:
             log.warning("sandbox %s: its new policy cannot be built: %s", row["id"], e)
             return

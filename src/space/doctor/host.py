@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from space import paths
+from space.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -48,20 +48,20 @@ class Host:
     jail: bool = True  # SPACE_WORKER_JAIL
 
     @classmethod
-    def from_env(cls) -> Host:
-        env = os.environ
-        configured = env.get("SPACE_POOL_DIR")
+    def from_settings(cls, settings: Settings) -> Host:
+        """The host as the deployment's settings (read once, as every service reads them)
+        describe it, at the roots `SPACE_DOCTOR_*` name."""
+        w = settings.worker
         return cls(
             paths=HostPaths.from_env(),
-            state_dir=paths.state_dir(),
-            cache_dir=paths.cache_dir(),
-            pool_dir=Path(configured) if configured else None,
-            accel=env.get("SPACE_ACCEL", "auto"),
-            # As the worker reads them (space.worker.netsetup, space.controller.pools).
-            network=env.get("SPACE_WORKER_NETWORK", "1") != "0",
-            reserve_mib=int(env.get("SPACE_POOL_RESERVE_MIB", "1024")),
-            driver=env.get("SPACE_WORKER_DRIVER", "qemu"),
-            jail=env.get("SPACE_WORKER_JAIL", "1").lower() not in ("0", "false", "no", "off"),
+            state_dir=settings.state_dir,
+            cache_dir=settings.cache_dir,
+            pool_dir=w.pool_dir,
+            accel=w.accel,
+            network=w.network,
+            reserve_mib=settings.pools.reserve_mib,
+            driver=w.driver,
+            jail=w.jail.enabled,
         )
 
     @property

@@ -19,6 +19,7 @@ from space.doctor.system import (
     check_qemu,
     check_root,
 )
+from space.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ CHECKS: dict[str, Callable[[Host], Check]] = {
 
 def run_checks(host: Host | None = None, only: Iterable[str] = ()) -> list[Check]:
     """The checks named in `only` (all of them if empty), each run once on `host`."""
-    host = host or Host.from_env()
+    host = host or Host.from_settings(Settings.from_env())
     wanted = list(only) or list(CHECKS)
     unknown = [name for name in wanted if name not in CHECKS]
     if unknown:
