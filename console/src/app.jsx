@@ -2,6 +2,7 @@
 import { useEffect, useState } from "preact/hooks";
 import { APIError, get, saveKey, savedKey, whenSignedOut } from "./api.js";
 import { AdminOnly, ErrorBox, Spinner } from "./ui.jsx";
+import { Audit } from "./pages/audit.jsx";
 import { Pools } from "./pages/pools.jsx";
 import { Sandbox } from "./pages/sandbox.jsx";
 import { Sandboxes } from "./pages/sandboxes.jsx";
@@ -9,6 +10,7 @@ import { Secrets } from "./pages/secrets.jsx";
 import { Template, Templates } from "./pages/templates.jsx";
 import { TenantPage, Tenants } from "./pages/tenants.jsx";
 import { Volumes } from "./pages/volumes.jsx";
+import { Webhooks } from "./pages/webhooks.jsx";
 import { Workers } from "./pages/workers.jsx";
 
 function useRoute() {
@@ -79,6 +81,8 @@ const NAV = [
   ["pools", "Warm pools"],
   ["volumes", "Volumes"],
   ["secrets", "Secrets"],
+  ["webhooks", "Webhooks"],
+  ["audit", "Audit log"],
 ];
 // Shown to admin keys only (the API refuses the rest anyway).
 const ADMIN_NAV = [
@@ -95,6 +99,8 @@ function Page({ route, me }) {
   if (section === "pools") return <Pools me={me} />;
   if (section === "volumes") return <Volumes />;
   if (section === "secrets") return <Secrets />;
+  if (section === "webhooks") return <Webhooks />;
+  if (section === "audit") return <Audit me={me} />;
   if (section === "tenants" && !me.admin) return <AdminOnly title="Tenants" />;
   if (section === "tenants" && id) return <TenantPage id={id} me={me} />;
   if (section === "tenants") return <Tenants />;

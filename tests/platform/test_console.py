@@ -181,6 +181,15 @@ def test_sign_in_create_terminal_files_and_delete_in_a_browser(
     shot(page, tmp_path, "deleted")
     assert api.get(f"/v1/sandboxes/{sid}").json()["state"] == "deleted"
 
+    # The list leaves deleted sandboxes out unless asked; an id's start finds one.
+    page.click(".sidebar a[href='#/sandboxes']")
+    page.fill("input[name=id-filter]", sid[:10])
+    expect(page.locator("main")).to_contain_text("No sandbox matches")
+    page.check("input[name=show-deleted]")
+    expect(page.locator(f"#sandbox-table tr.dim[data-id='{sid}']")).to_be_visible()
+    page.fill("input[name=id-filter]", sid + "x")
+    expect(page.locator("main")).to_contain_text("No sandbox matches")
+
     assert page.evaluate("window.__violations") == [], "the page broke its CSP"
     assert errors == []
     assert context.cookies() == []  # nothing to ride on for a cross-site request
@@ -321,4 +330,64 @@ def test_a_tenant_key_sees_no_tenants_or_workers_page(platform: Platform, browse
         page.goto(f"{platform.api_url}/console/#/{admin_only}")
         expect(page.locator("main")).to_contain_text("For admin keys only")
     assert not [u for u in asked if "/v1/tenants" in u or "/v1/workers" in u]
+    context.close()
+
+
+@pytest.mark.parametrize("width", [1280, 400])
+def test_webhooks_and_the_audit_log_in_a_browser(
+    platform: Platform, browser: Browser, tmp_path: Path, width: int
+) -> None:
+    """At a desktop's width and a phone's: an endpoint added (its secret shown once), one the
+    floor refuses, its deliveries, the audit log naming both calls, and the endpoint deleted;
+    neither page wider than the screen."""
+    context = browser.new_context(viewport={"width": width, "height": 800})
+    context.add_init_script(VIOLATIONS)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(WAIT_MS)
+    page.goto(f"{platform.api_url}/console/")
+    sign_in(page, platform.key_b)
+    wide = "document.documentElement.scrollWidth <= window.innerWidth"
+
+    page.click(".sidebar a[href='#/webhooks']")
+    url = f"http://203.0.113.2:8080/console-{width}"
+    page.click("text=Add a webhook")
+    page.fill("input[name=url]", url)
+    page.click(".dialog button[type=submit]")
+    secret = page.locator("#webhook-secret").inner_text()
+    assert secret.startswith("whsec_")
+    shot(page, tmp_path, f"webhook-secret-{width}")
+    page.click(".dialog footer button.primary")
+    row = page.locator("#webhooks tr", has_text=url)
+    expect(row).to_contain_text("all")
+    assert secret not in page.content()  # shown once
+    page.click("text=Add a webhook")
+    page.fill("input[name=url]", "http://127.0.0.1:9/")
+    page.click(".dialog button[type=submit]")
+    expect(page.locator(".dialog .error")).to_contain_text("loopback")
+    page.click(".dialog footer button.ghost")
+    row.locator("text=Deliveries").click()
+    expect(page.locator("main")).to_contain_text("Nothing sent yet")
+    assert page.evaluate(wide), "the webhooks page is wider than the screen"
+    shot(page, tmp_path, f"webhooks-{width}")
+
+    page.click(".sidebar a[href='#/audit']")
+    made = page.locator("#audit tr", has_text="POST /v1/webhooks").first
+    expect(made).to_contain_text("201 ok")
+    expect(page.locator("#audit tr", has_text="422 refused").first).to_be_visible()
+    page.fill("input[name=action]", "DELETE")
+    assert page.evaluate(wide), "the audit page is wider than the screen"
+    shot(page, tmp_path, f"audit-{width}")
+
+    page.click(".sidebar a[href='#/webhooks']")
+    page.locator("#webhooks tr", has_text=url).locator("text=Delete").click()
+    page.click(".dialog button.danger")
+    expect(page.locator("#webhooks tr", has_text=url)).to_have_count(0)
+    page.click(".sidebar a[href='#/audit']")
+    expect(
+        page.locator("#audit tr", has_text="DELETE /v1/webhooks/{webhook_id}").first
+    ).to_contain_text("204 ok")
+    assert page.evaluate("window.__violations") == [], "the page broke its CSP"
+    assert errors == []
     context.close()

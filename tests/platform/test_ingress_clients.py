@@ -47,6 +47,11 @@ def test_sdk_requests_reach_the_service_and_its_errors_are_its_own(platform: Pla
         _serve(sb)
         r = sb.request(8002, "GET", "/5")
         assert r.status_code == 200 and r.content == b"xxxxx"
+        # The service said its length: the client is told it too, not a chunked stream.
+        assert r.headers["content-length"] == "5" and "transfer-encoding" not in r.headers
+        r = sb.request(8000, "HEAD", "/streamer.py")  # the length of what a GET would bring
+        assert r.status_code == 200 and r.content == b""
+        assert r.headers["content-length"] == str(len(STREAMER.encode()))
         r = sb.request(8002, "POST", "sum", content=b"abc")
         assert r.text == f"3 {hashlib.sha256(b'abc').hexdigest()}"
         # The service's own error is an answer, not an exception: not an API error.

@@ -124,19 +124,23 @@ export function Sandboxes() {
   const [state, setState] = useState("");
   const [template, setTemplate] = useState("");
   const [metadata, setMetadata] = useState("");
+  const [id, setId] = useState("");
+  const [showDeleted, setShowDeleted] = useState(false);
   const [creating, setCreating] = useState(false);
   const [pages, setPages] = useState(1);
   let filterError = null;
-  const query = { state, template, limit: 50 * pages };
+  // Deleted sandboxes are history: left out unless asked for.
+  const query = { state, template, limit: 50 * pages, deleted: String(showDeleted || state === "deleted") };
+  if (id.trim()) query.id = id.trim();
   try {
     for (const [k, v] of Object.entries(pairs(metadata))) query[`metadata.${k}`] = v;
   } catch (e) {
     filterError = e;
   }
-  const list = usePoll(() => get("/v1/sandboxes", { query }), REFRESH_MS, [state, template, metadata, pages]);
+  const list = usePoll(() => get("/v1/sandboxes", { query }), REFRESH_MS, [state, template, metadata, pages, id, showDeleted]);
   const templates = usePoll(() => get("/v1/templates"), 0);
   const items = list.data?.items || [];
-  const filtered = state || template || metadata;
+  const filtered = state || template || metadata || id;
   return (
     <section>
       <PageHeader title="Sandboxes" subtitle="MicroVMs of your tenant. The list refreshes by itself.">
@@ -164,6 +168,10 @@ export function Sandboxes() {
           ))}
         </select>
         <input class="grow" name="metadata-filter" aria-label="Metadata filter" placeholder="Filter by metadata: key=value, …" value={metadata} onInput={(e) => setMetadata(e.target.value)} />
+        <input name="id-filter" aria-label="Sandbox id" placeholder="Id starts with…" value={id} onInput={(e) => setId(e.target.value)} />
+        <label class="check">
+          <input type="checkbox" name="show-deleted" checked={showDeleted} onChange={(e) => setShowDeleted(e.target.checked)} /> deleted
+        </label>
       </div>
       {filterError && <ErrorBox error={filterError} title="Filter not understood" />}
       <ErrorBox error={list.error} title="Sandboxes not loaded" />

@@ -40,13 +40,14 @@ from space.worker.api.models import TCP_FRAME
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["ingress"])
 
 HEAD_TIMEOUT_S = 60.0  # for the service's answer to begin
-# Not passed on: hop-by-hop headers, framing (h11 frames what it sends), our own credentials.
+# Not passed on: hop-by-hop headers, framing (h11 frames what it sends; the answer's length is
+# kept where the service said it), our own credentials.
 DROP_IN = {"host", "authorization", "cookie", "connection", "keep-alive", "transfer-encoding",
            "content-length", "te", "upgrade", "proxy-authorization", "proxy-connection",
            "trailer", "x-api-key", "x-access-token", "e2b-traffic-access-token", "e2b-sandbox-id",
            "e2b-sandbox-port"}  # fmt: skip
-DROP_OUT = {"connection", "keep-alive", "transfer-encoding", "content-length", "trailer",
-            "upgrade", "proxy-connection"}  # fmt: skip
+DROP_OUT = {b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"upgrade",
+            b"proxy-connection"}  # fmt: skip
 
 
 class Closed(Exception):
@@ -94,8 +95,10 @@ async def ingress(
             await _stop(relay)
 
     response = StreamingResponse(body(), status_code=answer.status_code)
+    # h11 parsed the answer by its Content-Length (never with Transfer-Encoding): the client gets
+    # that many bytes, and a download its size, or a cut connection if the service's ends early.
     response.raw_headers = [(k.lower(), v) for k, v in answer.headers
-                            if k.decode("latin-1").lower() not in DROP_OUT]  # fmt: skip
+                            if k.lower() not in DROP_OUT]  # fmt: skip
     response.raw_headers.append((b"via", INGRESS_VIA.encode()))
     return response
 

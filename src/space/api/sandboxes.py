@@ -287,6 +287,10 @@ async def list_sandboxes(
     template: Annotated[str | None, Query(max_length=64, pattern=r"^[^\x00]*$")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
+    deleted: Annotated[bool, Query(description="false: leave deleted sandboxes out")] = True,
+    id: Annotated[
+        str | None, Query(max_length=100, pattern=r"^[A-Za-z0-9_.-]*$", description="an id's start")
+    ] = None,
 ) -> SandboxList:
     metadata = {
         k[len("metadata.") :]: v
@@ -302,6 +306,8 @@ async def list_sandboxes(
         metadata=metadata or None,
         limit=limit + 1,
         after=parse_cursor(cursor) if cursor else None,
+        deleted=deleted,
+        id_prefix=id,
     )
     more = len(rows) > limit
     rows = rows[:limit]

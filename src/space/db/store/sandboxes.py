@@ -89,9 +89,15 @@ class SandboxQueries(Queries):
         metadata: dict[str, str] | None = None,
         limit: int = 50,
         after: tuple[datetime, str] | None = None,
+        deleted: bool = True,
+        id_prefix: str | None = None,
     ) -> list[Row]:
         s = t.sandboxes.c
         q = sa.select(t.sandboxes).where(s.tenant_id == tenant_id)
+        if not deleted:
+            q = q.where(s.state != "deleted")
+        if id_prefix:
+            q = q.where(s.id.startswith(id_prefix, autoescape=True))
         if state:
             q = q.where(s.state == state)
         if states is not None:
