@@ -7,12 +7,24 @@ from collections.abc import Iterator
 
 import pytest
 
+from .collector import Collector
 from .stack import Platform, launch, shut_down
 
 
 @pytest.fixture(scope="session")
-def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    p = launch(tmp_path_factory.mktemp("platform"))
+def collector() -> Iterator[Collector]:
+    c = Collector()
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="session")
+def platform(tmp_path_factory: pytest.TempPathFactory, collector: Collector) -> Iterator[Platform]:
+    """Its services send their spans to `collector`, as to an operator's."""
+    p = launch(tmp_path_factory.mktemp("platform"), SPACE_OTLP_ENDPOINT=collector.url)
     try:
         yield p
     finally:

@@ -238,6 +238,9 @@ class Settings:
     # workers' certificates and call workers over mutual TLS. None: plain HTTP to workers.
     worker_ca_dir: Path | None = None
     secrets_keys: str = ""  # "" for a key made in the state directory
+    # An OpenTelemetry collector's OTLP/HTTP address: every service sends its spans there
+    # (space.tracing); "" for none.
+    otlp_endpoint: str = ""
     egress_default: Literal["deny", "allow"] = "deny"
     # Private networks (an internal service) an operator lets sandbox policies reach; loopback,
     # link-local (cloud metadata) and the sandboxes' own ranges can never be opened.
@@ -268,6 +271,7 @@ class Settings:
             worker_secret=e.text("SPACE_WORKER_SECRET"),
             worker_ca_dir=Path(worker_ca) if worker_ca else None,
             secrets_keys=e.text("SPACE_SECRETS_KEYS"),
+            otlp_endpoint=e.text("SPACE_OTLP_ENDPOINT"),
             egress_default=e.choice("SPACE_EGRESS_DEFAULT", "deny", ("deny", "allow")),  # type: ignore[arg-type]
             egress_open_networks=e.networks("SPACE_EGRESS_OPEN_NETWORKS"),
             quotas=Quotas(

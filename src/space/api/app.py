@@ -11,7 +11,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from space import __version__, crashpoints, e2b
+from space import __version__, crashpoints, e2b, tracing
 from space.api import (
     audit,
     checkpoints,
@@ -48,6 +48,7 @@ from space.http_server import Server
 from space.identity import WorkerCA
 from space.logs import RequestLog
 from space.settings import Settings
+from space.tracing import Traced
 from space.worker.api.client import RESTART_S, WorkerClient
 
 SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([A-Za-z0-9_.-]{1,100})(?:/|$)")
@@ -60,6 +61,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         crashpoints.arm(settings.crash_at)
+        tracing.start("api", settings.otlp_endpoint)
         store = Store(connect(database_url))
         await migrate.upgrade(store.engine)
         listener = Listener(database_url)
@@ -87,6 +89,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
             await workers.close()
             await listener.close()
             await store.close()
+            tracing.stop()
 
     app = FastAPI(
         title="SPACE",
@@ -99,6 +102,8 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     app.add_middleware(BodyLimit)  # before any body is read
     # Outside the body limit, which looks at the path a preview host's request is given.
     app.add_middleware(PreviewHosts, domain=settings.api.preview_domain)
+    # Inside the log's middleware, which gives the request its id.
+    app.add_middleware(Traced, quiet=QUIET)
     # Outermost: even a refused request has its id and its line.
     app.add_middleware(RequestLog, sandbox_path=SANDBOX_PATH, quiet=QUIET)
     app.include_router(sandboxes.router)

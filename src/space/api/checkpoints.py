@@ -16,7 +16,7 @@ from typing import Annotated
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field, field_validator
 
-from space import logs
+from space import logs, tracing
 from space.api.deps import Caller, Svc
 from space.api.errors import APIError
 from space.api.schemas import FromRow, Sandbox, Strict, _check_env
@@ -172,7 +172,8 @@ async def fork(sandbox_id: str, body: ForkCreate, svc: Svc, caller: Caller) -> F
     worker = Worker(parent["worker_id"], url)
     forked = await svc.workers.fork_vm(worker, sandbox_id, request, epoch)
     children = [{"id": i, "env": env, "metadata": body.metadata,
-                 "request_id": logs.request_id.get()} for i in ids]  # fmt: skip
+                 "request_id": logs.request_id.get(), "trace_parent": tracing.traceparent()}
+                for i in ids]  # fmt: skip
     try:
         rows = await svc.store.insert_forks(parent, children, svc.settings.quotas)
     except Refused:  # past a quota after all (a concurrent create took the last of it)

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request, WebSocket
 
-from space import logs
+from space import logs, tracing
 from space.api import audit_trail
 from space.api.errors import APIError
 from space.api.limits import RateLimiter
@@ -89,6 +89,7 @@ class Services:
             await self.store.request(
                 row["tenant_id"], row["id"], "running", ("paused",), "resume",
                 request_id=logs.request_id.get(), reason="used again after an idle pause",
+                trace_parent=tracing.traceparent(),
             )  # fmt: skip
         return await self.wait_for(
             row["id"],

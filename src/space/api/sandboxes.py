@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request, Response
 from sqlalchemy.exc import IntegrityError
 
-from space import crashpoints, logs
+from space import crashpoints, logs, tracing
 from space.api.deps import Caller, Svc
 from space.api.errors import APIError
 from space.api.metrics import CLAIMS, CREATE
@@ -98,6 +98,7 @@ async def create_sandbox(
     values = body.model_dump()
     values["idempotency_key"] = idempotency_key
     values["request_id"] = logs.request_id.get()  # the controller's lines for it carry it on
+    values["trace_parent"] = tracing.traceparent()  # and its spans join this request's trace
     values["secrets"] = with_placeholders(body.secrets)
     idle = svc.settings.idle_timeout_s if body.idle_timeout_s is None else body.idle_timeout_s
     values["idle_timeout_s"] = idle or None
@@ -322,7 +323,13 @@ async def _change(
     verb: str, wait: bool,
 ) -> Sandbox:  # fmt: skip
     row = await svc.store.request(
-        caller.id, sandbox_id, desired, allowed, verb, request_id=logs.request_id.get()
+        caller.id,
+        sandbox_id,
+        desired,
+        allowed,
+        verb,
+        request_id=logs.request_id.get(),
+        trace_parent=tracing.traceparent(),
     )
     if wait:
         row = await svc.wait_for(sandbox_id, _settled, WAIT_S)
@@ -373,7 +380,11 @@ async def set_network(
     # Its secrets still open (404 if not).
     await policy_for(svc.store, svc.sealer, row, svc.settings.egress_default, network)
     row = await svc.store.set_network(
-        caller.id, sandbox_id, network, request_id=logs.request_id.get()
+        caller.id,
+        sandbox_id,
+        network,
+        request_id=logs.request_id.get(),
+        trace_parent=tracing.traceparent(),
     )
     if row["state"] in ("running", "paused"):
         version = row["network_version"]

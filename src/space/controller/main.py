@@ -9,7 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-from space import crashpoints
+from space import crashpoints, tracing
 from space.controller import upkeep
 from space.controller.health import WorkerHealth
 from space.controller.leader import Leadership, LostLeadership
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 async def run(settings: Settings, database_url: str) -> None:
     crashpoints.arm(settings.crash_at)
+    tracing.start("controller", settings.otlp_endpoint)
     cs = settings.controller
     serve_metrics(cs.metrics_address, settings.load_metrics_token())
     store = Store(connect(database_url))
@@ -57,6 +58,7 @@ async def run(settings: Settings, database_url: str) -> None:
         await leadership.release()
         await workers.close()
         await store.close()
+        tracing.stop()
 
 
 async def _lead(

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
-from space import logs
+from space import logs, tracing
 from space.controller.leader import Leadership, LostLeadership
 from space.controller.moves import Moves
 from space.controller.placement import Need, holding, pick_worker, why_not
@@ -162,9 +162,16 @@ class Reconciler:
 
     async def _step(self, row: Row) -> bool:
         """One step toward the desired state; True if another step may follow at once."""
-        # This task's lines are about this sandbox, for the request that asked for its state.
+        # This task's lines are about this sandbox, for the request that asked for its state,
+        # and its spans join that request's trace.
         logs.bind(request_id=row["request_id"], tenant=row["tenant_id"], sandbox=row["id"],
                   worker=row["worker_id"])  # fmt: skip
+        name = f"reconcile {row['state']} to {row['desired_state']}"
+        with tracing.continued(name, row["trace_parent"], space__sandbox_id=row["id"],
+                               space__request_id=row["request_id"]):  # fmt: skip
+            return await self._next(row)
+
+    async def _next(self, row: Row) -> bool:
         state, desired = row["state"], row["desired_state"]
         if desired == "deleted":
             return await self._delete(row)

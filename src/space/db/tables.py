@@ -124,6 +124,8 @@ sandboxes = sa.Table(
     # The API request that asked for its current desired state (null: the platform's own
     # doing), so the controller's log lines for the steps it takes name that request.
     sa.Column("request_id", sa.Text),
+    # The trace of that request (W3C traceparent): the controller's work joins it (space.tracing).
+    sa.Column("trace_parent", sa.Text),
     sa.Column("idle_timeout_s", sa.Integer),  # paused after this long without use; None: never
     sa.Column("active_at", sa.DateTime(timezone=True)),  # its last exec, file call or ingress
     sa.Column("idle_paused", sa.Boolean, nullable=False, server_default=sa.false()),

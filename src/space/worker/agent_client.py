@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Sequence
 from typing import Any, TypedDict, Unpack
 
+from space import tracing
 from space.guest import protocol as p
 from space.worker import agent_platform as plat
 from space.worker.agent_channels import (
@@ -112,7 +113,8 @@ class AgentClient(AgentConnection):
             finally:
                 ch.drop()
 
-        return await within(ask(), deadline, op)
+        with tracing.span(f"agent {op}"):
+            return await within(ask(), deadline, op)
 
     async def ping(self) -> None:
         await self.call("ping", deadline=10.0)
@@ -151,6 +153,10 @@ class AgentClient(AgentConnection):
         await self.call("control", **_ref(pid, tag), **what)
 
     async def _follow(self, op: str, args: dict[str, Any], what: str) -> ExecProcess:
+        with tracing.span(f"agent {op}"):  # until the process has started
+            return await self._started(op, args, what)
+
+    async def _started(self, op: str, args: dict[str, Any], what: str) -> ExecProcess:
         ch = await self._open(op, args)
         try:
             started = await ch.first_event(START_DEADLINE_S, what)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from space import crashpoints
+from space import crashpoints, tracing
 from space.identity import IdentityError, TLSFiles, WorkerIdentity
 from space.metrics_server import serve_metrics
 from space.settings import Settings, WorkerSettings
@@ -69,6 +69,7 @@ async def _listening(host: str, port: int, serving: asyncio.Future[None]) -> Non
 
 async def run(settings: Settings, *, worker_id: str, host: str, port: int, url: str) -> None:
     crashpoints.arm(settings.crash_at)
+    tracing.start("worker", settings.otlp_endpoint)
     ws = settings.worker
     if not ws.control_url:
         raise SystemExit("SPACE_CONTROL_URL must name the API: a worker registers there")
@@ -103,6 +104,7 @@ async def run(settings: Settings, *, worker_id: str, host: str, port: int, url: 
     finally:
         if gateway is not None:
             await gateway.stop()
+        tracing.stop()
 
 
 async def _serve(

@@ -146,6 +146,7 @@ class PoolQueries(Queries):
                     idle_timeout_s=values.get("idle_timeout_s"),
                     idempotency_key=values.get("idempotency_key"),
                     request_id=values.get("request_id"),
+                    trace_parent=values.get("trace_parent"),
                     expires_at=sa.func.now() + timedelta(seconds=values["timeout_s"]),
                     created_at=sa.func.now(),
                     updated_at=sa.func.now(),

@@ -123,6 +123,7 @@ class SandboxQueries(Queries):
         request_id: str | None = None,
         idle: bool = False,
         reason: str | None = None,
+        trace_parent: str | None = None,
     ) -> Row:
         """Ask for a new desired state; Conflict unless the current state allows it.
         `request_id`: the API request that asks (None: the platform itself); `idle`: the
@@ -146,6 +147,7 @@ class SandboxQueries(Queries):
                         .values(
                             desired_state=desired,
                             request_id=request_id,
+                            trace_parent=trace_parent,
                             idle_paused=idle,
                             updated_at=sa.func.now(),
                         )
@@ -173,6 +175,7 @@ class SandboxQueries(Queries):
         sandbox_id: str,
         network: dict[str, Any],
         request_id: str | None = None,
+        trace_parent: str | None = None,
     ) -> Row:
         """A new egress policy: its version grows; the controller puts it in force on the
         sandbox's worker and records that version as applied."""
@@ -185,6 +188,7 @@ class SandboxQueries(Queries):
                     network=network,
                     network_version=s.network_version + 1,
                     request_id=request_id,
+                    trace_parent=trace_parent,
                     updated_at=sa.func.now(),
                 )
                 .returning(*t.sandboxes.c)

@@ -23,7 +23,7 @@ import httpx
 from httpx_ws import AsyncWebSocketSession, aconnect_ws
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from space import logs
+from space import logs, tracing
 from space.gateway.policy import Policy
 from space.identity import worker_name
 from space.release import HEADER as RELEASE_HEADER
@@ -600,8 +600,9 @@ class WorkerClient:
 
 
 async def _carry_context(request: httpx.Request) -> None:
-    """Every call names the request it is made for (for the worker's logs)."""
+    """Every call names the request it is made for (for the worker's logs) and its trace."""
     request.headers.update(logs.context_headers())
+    request.headers.update(tracing.headers())
 
 
 async def _read_capped(resp: httpx.Response, limit: int = MAX_ANSWER) -> bytes:

@@ -37,6 +37,7 @@ from space.logs import RequestLog
 from space.problem import problem
 from space.release import HEADER as RELEASE_HEADER
 from space.release import VERSION, refusal
+from space.tracing import Traced
 from space.worker import ksm
 from space.worker.agent_client import (
     AgentClient,
@@ -434,6 +435,7 @@ def make_app(
             Middleware(ReleaseCheck),
             # Inside the authentication: only our own services' headers are believed.
             Middleware(RequestLog, sandbox_path=VM_PATH, trusted=True, quiet=QUIET),
+            Middleware(Traced, quiet=QUIET),  # in the caller's trace, which its headers carry
             Middleware(ActivityMiddleware, activity=api.activity),
         ],
         exception_handlers={**handlers, HTTPException: _on_http, Exception: _on_unexpected},
