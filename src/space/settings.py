@@ -245,6 +245,8 @@ class Settings:
     # Private networks (an internal service) an operator lets sandbox policies reach; loopback,
     # link-local (cloud metadata) and the sandboxes' own ranges can never be opened.
     egress_open_networks: tuple[str, ...] = ()
+    # Private networks webhook endpoints may be in (space.webhooks.targets): none by default.
+    webhook_open_networks: tuple[str, ...] = ()
     quotas: Quotas = field(default_factory=Quotas)  # each tenant's, unless overridden
     # Sandboxes that do not choose are paused after this many seconds unused (0: never).
     idle_timeout_s: int = 0
@@ -274,6 +276,7 @@ class Settings:
             otlp_endpoint=e.text("SPACE_OTLP_ENDPOINT"),
             egress_default=e.choice("SPACE_EGRESS_DEFAULT", "deny", ("deny", "allow")),  # type: ignore[arg-type]
             egress_open_networks=e.networks("SPACE_EGRESS_OPEN_NETWORKS"),
+            webhook_open_networks=e.networks("SPACE_WEBHOOK_OPEN_NETWORKS"),
             quotas=Quotas(
                 **{
                     name: e.integer(f"SPACE_QUOTA_{name.upper()}", default)

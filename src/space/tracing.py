@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from space import __version__, logs
@@ -56,10 +56,11 @@ def stop() -> None:
 
 
 def headers() -> dict[str, str]:
-    """The current trace, for a call to another service."""
+    """The current trace, for a call to another service (its `traceparent` only: nothing a
+    client put in baggage goes further)."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
-    return carrier
+    return {"traceparent": carrier["traceparent"]} if "traceparent" in carrier else {}
 
 
 def traceparent() -> str | None:
@@ -71,13 +72,15 @@ def traceparent() -> str | None:
 def continued(name: str, parent: str | None, **attributes: Any) -> Iterator[Span]:
     """A span in the trace of `parent` (a kept `traceparent`; None: a trace of its own)."""
     context = propagate.extract({"traceparent": parent}) if parent else None
-    with tracer.start_as_current_span(name, context=context, attributes=_clean(attributes)) as span:
+    with tracer.start_as_current_span(name, context=context, attributes=_clean(attributes),
+                                      record_exception=False) as span:  # fmt: skip
         yield span
 
 
 def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[Span]:
     """A span inside the current one."""
-    return tracer.start_as_current_span(name, attributes=_clean(attributes))
+    return tracer.start_as_current_span(name, attributes=_clean(attributes),
+                                        record_exception=False)  # fmt: skip
 
 
 def _clean(attributes: dict[str, Any]) -> dict[str, Any]:
@@ -85,28 +88,43 @@ def _clean(attributes: dict[str, Any]) -> dict[str, Any]:
 
 
 class Traced:
-    """ASGI middleware: a server span for each HTTP request, in the caller's trace if it sent
-    one, named by the route it took once it is known. Inside the request log's middleware,
-    which gives the request its id. Paths `quiet` matches whole (probes, scrapes) have a span
-    only when their caller's trace asks for one."""
+    """ASGI middleware: a server span for each HTTP request, named by the route it took once it
+    is known. Inside the request log's middleware, which gives the request its id.
 
-    def __init__(self, app: ASGIApp, quiet: re.Pattern[str] | None = None) -> None:
+    A service called by our own (`trusted`) continues its caller's trace; the public API
+    starts a trace of its own and links the client's, so no client chooses our trace ids or
+    whether our work is sampled. Paths `quiet` matches whole (probes, scrapes) have a span only
+    when a trusted caller's trace asks for one. Exceptions are not recorded in spans: their
+    text may hold what a query was given."""
+
+    def __init__(
+        self, app: ASGIApp, quiet: re.Pattern[str] | None = None, trusted: bool = False
+    ) -> None:
         self.app = app
         self.quiet = quiet
+        self.trusted = trusted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.quiet and self.quiet.fullmatch(scope["path"]) and "traceparent" not in carrier:
+        sent = propagate.extract({"traceparent": carrier.get("traceparent", "")})
+        asked = trace.get_current_span(sent).get_span_context()
+        if (
+            self.quiet
+            and self.quiet.fullmatch(scope["path"])
+            and not (self.trusted and asked.is_valid)
+        ):
             await self.app(scope, receive, send)
             return
         method = scope["method"]
         with tracer.start_as_current_span(
-            f"{method} {scope['path']}", context=propagate.extract(carrier), kind=SpanKind.SERVER,
-            attributes={"http.request.method": method, "url.path": scope["path"],
+            method, context=sent if self.trusted else None, kind=SpanKind.SERVER,
+            links=[Link(asked)] if asked.is_valid and not self.trusted else None,
+            attributes={"http.request.method": method, "url.path": scope["path"][:200],
                         REQUEST_ID: logs.request_id.get() or ""},
+            record_exception=False,
         ) as current:  # fmt: skip
 
             async def answer(message: Message) -> None:

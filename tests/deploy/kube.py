@@ -188,6 +188,8 @@ DEFAULTED = {
     "decides which (an overlay sets it)",
     "SPACE_POOL_DIR": "the pool is an image file on the node's state directory; nodes with a "
     "btrfs or XFS mount for it set this in an overlay",
+    "SPACE_WEBHOOK_OPEN_NETWORKS": "no private network is open to webhooks until an operator "
+    "decides which (an overlay sets it)",
     "SPACE_WORKER_NET_RANGE": "each worker picks a /16 its node does not use",
     "SPACE_GATEWAY_UPSTREAM_DNS": "the resolver of the worker's pod",
     "SPACE_GATEWAY_UPSTREAM_CA": "the system's CAs verify origins",

@@ -45,9 +45,13 @@ def api_span(collector: Collector, request_id: str, name: str) -> Span:
     return found
 
 
+CLIENTS_TRACE = secrets.token_hex(16)  # a trace a client says it is in
+
+
 def call(c: httpx.Client, method: str, path: str, **kw: object) -> tuple[httpx.Response, str]:
     rid = f"trace-{secrets.token_hex(6)}"
-    r = c.request(method, path, headers={"X-Request-Id": rid}, **kw)  # type: ignore[arg-type]
+    headers = {"X-Request-Id": rid, "traceparent": f"00-{CLIENTS_TRACE}-{'1' * 16}-00"}
+    r = c.request(method, path, headers=headers, **kw)  # type: ignore[arg-type]
     assert r.status_code < 300, r.text
     return r, rid
 
@@ -59,6 +63,8 @@ def test_a_create_is_one_trace_from_the_api_to_the_guest(
         made, rid = call(c, "POST", "/v1/sandboxes", json={})
         sid = made.json()["id"]
         root = api_span(collector, rid, "POST /v1/sandboxes")
+        # A trace of our own, not the client's (which asked not to be sampled): it is linked.
+        assert root.trace_id != CLIENTS_TRACE and root.parent_id == ""
 
         def whole(spans: list[Span]) -> bool:
             mine = [s for s in spans if s.trace_id == root.trace_id]

@@ -3,7 +3,8 @@ documentation address (203.0.113.0/24): a "public" address as the egress floor s
 only this machine routes. Run as a script inside the namespace; `Receiver` sets it all up.
 
 Paths: `/ok` answers 200; `/flaky` 503 the first time it sees a delivery, then 200; `/slow`
-answers after a minute. Every request is logged as a JSON line (path, headers, body, time).
+answers after a minute; `/huge` answers a gibibyte. Every request is logged as a JSON line
+(path, headers, body, time).
 """
 
 from __future__ import annotations
@@ -106,6 +107,16 @@ def serve(log: Path) -> None:
                     seen.add(delivery)
             elif self.path == "/slow":
                 time.sleep(60)
+            elif self.path == "/huge":  # a gibibyte, for as long as anyone reads it
+                self.send_response(200)
+                self.send_header("Content-Length", str(1 << 30))
+                self.end_headers()
+                try:
+                    for _ in range(1024):
+                        self.wfile.write(b"\0" * (1 << 20))
+                except OSError:
+                    pass
+                return
             self.send_response(status)
             self.send_header("Content-Length", "0")
             self.end_headers()

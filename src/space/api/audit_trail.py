@@ -7,8 +7,8 @@ PATCH, DELETE) on the public API and the E2B surface, with the caller's tenant a
 the request id and the peer's address. The entry is written before the answer leaves, so no
 client ever holds an answer the trail does not have. Left out: the data plane (commands, files,
 processes, ingress: the sandbox's own business, and far too many), workers' heartbeats, calls
-refused for their rate (nothing happened), and calls with no valid key (anyone can make those:
-the request log has them).
+refused for their rate (nothing happened), and calls with no valid key that did not succeed
+(anyone can make those: the request log has them).
 """
 
 from __future__ import annotations
@@ -109,7 +109,10 @@ class AuditTrail:
 async def _record(
     services: Services, scope: Scope, caller: Tenant | None, status: int, created: str | None
 ) -> None:
-    if status == 429 or (status == 401 and caller is None):
+    route = _route(scope)
+    # Without a key, only what worked is recorded (a worker's registration): anyone may send
+    # the rest, as fast as they like, and the log keeps all it gets.
+    if status == 429 or (caller is None and (status >= 400 or route is None)):
         return
     params = {k: str(v) for k, v in scope.get("path_params", {}).items()}
     client = scope.get("client")
@@ -118,7 +121,7 @@ async def _record(
         key_id=caller.key_id if caller else None,
         admin=caller.admin if caller else False,
         method=scope["method"],
-        action=f"{scope['method']} {_route(scope['path'], params)}",
+        action=f"{scope['method']} {route or scope['path']}",
         path=scope["path"],
         params=params,
         created=created,
@@ -132,10 +135,15 @@ async def _record(
         log.exception("could not record %s (%d) in the audit log", entry.action, status)
 
 
-def _route(path: str, params: dict[str, str]) -> str:
-    """The path with each parameter's segment named again: the route it took."""
-    names = {value: name for name, value in params.items()}
-    return "/".join(f"{{{names[s]}}}" if s in names else s for s in path.split("/"))
+def _route(scope: Scope) -> str | None:
+    """The route the call took (under the prefix of the application it was mounted at, the
+    E2B surface's), or None if it took none."""
+    route = scope.get("route")
+    if route is None or not isinstance(getattr(route, "path", None), str):
+        return None
+    base, root = scope.get("app_root_path", ""), scope.get("root_path", "")
+    prefix = root[len(base) :] if root.startswith(base) else ""
+    return f"{prefix}{route.path}"
 
 
 def _is_json(start: Message) -> bool:

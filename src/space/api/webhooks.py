@@ -27,10 +27,10 @@ router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 async def create_webhook(
     body: NewWebhook, svc: Svc, caller: Caller, response: Response
 ) -> CreatedWebhook:
-    """422 for a URL no webhook may have (not http(s), or an address the egress floor never
-    lets anything dial: loopback, link-local, private ranges the operator did not open)."""
+    """422 for a URL no webhook may have (not http(s), or an address the floor never lets
+    anything dial: loopback, link-local, private ranges the operator did not open to webhooks)."""
     try:
-        url = check_url(body.url, egress_floor(list(svc.settings.egress_open_networks)))
+        url = check_url(body.url, egress_floor(list(svc.settings.webhook_open_networks)))
     except TargetRefused as e:
         raise APIError(422, f"webhook URL refused: {e}") from None
     made, secret = await svc.store.create_webhook(

@@ -102,7 +102,8 @@ COMMANDS = {
 
 
 # Ctrl-C (space.cli.interrupt): services stop on their own signals, draining what they serve;
-# commands on this host stop VMs and processes there, and that clean-up is waited for.
+# commands on this host keep Python's and asyncio's own handling (a cancelled task stops its VMs
+# and processes, and that clean-up is waited for), and a status of 130.
 SERVICES = frozenset({"up", "api", "controller", "worker", "mcp"})
 ON_THIS_HOST = frozenset({"template", "image", "vm", "doctor", "admin"})
 
@@ -123,9 +124,8 @@ def cli(ctx: click.Context, verbose: bool) -> None:
     """SPACE: sandboxed microVMs for agents."""
     import logging
 
-    command = ctx.invoked_subcommand
-    if command not in SERVICES:
-        interrupt.stop_at_ctrl_c(None if command in ON_THIS_HOST else interrupt.GRACE_S)
+    if ctx.invoked_subcommand not in SERVICES | ON_THIS_HOST:
+        interrupt.stop_at_ctrl_c()
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -78,7 +78,7 @@ async def _lead(
     builds = upkeep.TemplateBuilds(store, workers, sealer, leadership)
     reconciler = Reconciler(store, workers, listener, pools, sealer, leadership, cs,
                             settings.egress_default)  # fmt: skip
-    webhooks = Webhooks(store, sealer, egress_floor(list(settings.egress_open_networks)))
+    webhooks = Webhooks(store, sealer, egress_floor(list(settings.webhook_open_networks)))
     loops: list[Callable[[], Awaitable[None]]] = [
         reconciler.run,
         partial(upkeep.every, 1.0, "drains", reconciler.moves.drain),

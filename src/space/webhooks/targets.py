@@ -1,7 +1,8 @@
 """Where a webhook may point: http(s) URLs whose addresses the egress floor permits.
 
 Loopback, link-local (cloud metadata) and reserved addresses are never dialled; private ranges
-only where the operator opened them (`SPACE_EGRESS_OPEN_NETWORKS`), as for sandboxes. A literal
+only where the operator opened them to webhooks (`SPACE_WEBHOOK_OPEN_NETWORKS`: none by default;
+apart from what sandboxes may reach, for webhooks are dialled from the controller). A literal
 address is checked when the endpoint is registered; a name at every delivery, after it is
 resolved, and the delivery then dials the address that was checked (the name goes in `Host` and
 TLS's SNI), so a name that resolves elsewhere the second time reaches nothing new.
@@ -12,8 +13,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 from urllib.parse import urlsplit
+
+import httpx
 
 from space.gateway.policy import EgressFloor
 from space.networks import SANDBOX_RANGES
@@ -37,7 +42,13 @@ def check_url(url: str, floor: EgressFloor) -> str:
     """The URL if a webhook may have it (a literal address checked against the floor now)."""
     if len(url) > MAX_URL:
         raise TargetRefused(f"a webhook URL has at most {MAX_URL} characters")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        httpx.URL(url)  # what the sender will make of it
+        if parts.hostname:
+            parts.hostname.encode("idna")
+    except (ValueError, httpx.InvalidURL, UnicodeError) as e:
+        raise TargetRefused(f"not a URL: {e}") from None
     if parts.scheme not in ("http", "https"):
         raise TargetRefused("a webhook URL is http:// or https://")
     if not parts.hostname:
@@ -54,8 +65,9 @@ def check_url(url: str, floor: EgressFloor) -> str:
     return url
 
 
-async def resolve(url: str, floor: EgressFloor) -> Target:
-    """Where to deliver: the first of the name's addresses the floor permits."""
+async def resolve(url: str, floor: EgressFloor, executor: Executor | None = None) -> Target:
+    """Where to deliver: the first of the name's addresses the floor permits (`executor`
+    resolves the name)."""
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -64,12 +76,11 @@ async def resolve(url: str, floor: EgressFloor) -> Target:
         _check(literal, floor)
         return Target(url, host, parts.netloc)
     loop = asyncio.get_running_loop()
+    lookup = partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
-        found = await asyncio.wait_for(
-            loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), RESOLVE_S
-        )
-    except (OSError, TimeoutError) as e:
-        raise TargetRefused(f"{host} does not resolve: {e}") from None
+        found = await asyncio.wait_for(loop.run_in_executor(executor, lookup), RESOLVE_S)
+    except (OSError, TimeoutError, UnicodeError) as e:
+        raise TargetRefused(f"{host} does not resolve: {e or type(e).__name__}") from None
     refusals = []
     for *_, sockaddr in found:
         address = ipaddress.ip_address(sockaddr[0])
@@ -96,14 +107,10 @@ def _check(address: ipaddress.IPv4Address | ipaddress.IPv6Address, floor: Egress
         return
     if floor.never(address):
         raise TargetRefused(f"{address} is loopback, link-local or reserved: never dialled")
-    opened = ", ".join(floor.open_networks) or "none"
-    raise TargetRefused(
-        f"{address} is private and not opened by the operator (SPACE_EGRESS_OPEN_NETWORKS: "
-        f"{opened})"
-    )
+    raise TargetRefused(f"{address} is private and not opened by the operator")
 
 
 def egress_floor(open_networks: list[str]) -> EgressFloor:
-    """The floor of what sandboxes and webhooks may dial: the operator's open networks, and
-    never a sandbox's own link."""
+    """A floor of what may be dialled: the operator's open private networks (each for sandboxes
+    or for webhooks, which have their own), and never a sandbox's own link."""
     return EgressFloor(open_networks=open_networks, closed_networks=[str(SANDBOX_RANGES)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -18,6 +18,7 @@ from space.db.sealing import Sealer
 from space.db.store.base import NotFound, Queries, Refused, new_id
 
 MAX_PER_TENANT = 20
+SETTLE = timedelta(seconds=2)
 SECRET_PREFIX = "whsec_"
 
 
@@ -37,6 +38,7 @@ class Due:
 
     id: int
     webhook_id: str
+    tenant_id: str
     url: str
     secret: str
     type: str
@@ -139,13 +141,12 @@ class WebhookQueries(Queries):
         async with self.engine.begin() as c:
             q = sa.select(cur.event_id).where(cur.id == 1).with_for_update()
             after = (await c.execute(q)).scalar_one()
-            events = list(
-                (
-                    await c.execute(
-                        sa.select(t.events).where(e.id > after).order_by(e.id).limit(limit)
-                    )
-                ).mappings()
-            )
+            # Ids are taken when a transaction starts, not when it commits: an event younger
+            # than SETTLE may still have an older neighbour on its way; it waits for the next
+            # pass, so none is passed over.
+            settled = e.at < sa.func.now() - SETTLE
+            q = sa.select(t.events).where(e.id > after, settled).order_by(e.id).limit(limit)
+            events = list((await c.execute(q)).mappings())
             if not events:
                 return 0
             tenants = {row["tenant_id"] for row in events}
@@ -167,12 +168,23 @@ class WebhookQueries(Queries):
 
     async def due_deliveries(self, limit: int, busy: set[str], sealer: Sealer) -> list[Due]:
         """The oldest pending delivery whose time has come of each endpoint not in `busy` (one
-        at a time to an endpoint: they arrive in order, but for those tried again)."""
+        at a time to an endpoint: they arrive in order, but for those tried again), the
+        endpoints that have waited longest first."""
         d, w = t.webhook_deliveries.c, t.webhooks.c
+        heads = (
+            sa.select(d.id, d.webhook_id, d.next_at)
+            .ext(distinct_on(d.webhook_id))
+            .where(d.state == "pending", d.next_at <= sa.func.now())
+            .order_by(d.webhook_id, d.next_at, d.id)
+        )
+        if busy:
+            heads = heads.where(d.webhook_id.not_in(busy))
+        head = heads.subquery()
         q = (
             sa.select(
                 d.id,
                 d.webhook_id,
+                w.tenant_id,
                 w.url,
                 w.key_id,
                 w.sealed_secret,
@@ -181,20 +193,18 @@ class WebhookQueries(Queries):
                 d.attempts,
                 d.created_at,
             )
-            .ext(distinct_on(d.webhook_id))
+            .join(head, head.c.id == d.id)
             .join(t.webhooks, w.id == d.webhook_id)
-            .where(d.state == "pending", d.next_at <= sa.func.now())
-            .order_by(d.webhook_id, d.next_at, d.id)
+            .order_by(head.c.next_at, d.id)
             .limit(limit)
         )
-        if busy:
-            q = q.where(d.webhook_id.not_in(busy))
         async with self.engine.connect() as c:
             rows = list((await c.execute(q)).mappings())
         return [
             Due(
                 id=r["id"],
                 webhook_id=r["webhook_id"],
+                tenant_id=r["tenant_id"],
                 url=r["url"],
                 type=r["type"],
                 payload=r["payload"],
@@ -208,21 +218,28 @@ class WebhookQueries(Queries):
         ]
 
     async def record_attempt(
-        self, delivery_id: int, status: int | None, error: str | None, ms: float,
+        self, due: Due, status: int | None, error: str | None, ms: float,
         state: str, next_at: datetime | None,
     ) -> None:  # fmt: skip
         """One try and its outcome: `state` delivered, failed (given up) or pending (again at
-        `next_at`)."""
+        `next_at`, and the endpoint's later deliveries no sooner: a dead endpoint is tried once
+        a backoff, not once a delivery)."""
         d = t.webhook_deliveries.c
         values: dict[str, Any] = {"state": state, "attempts": d.attempts + 1}
         if next_at is not None:
             values["next_at"] = next_at
         async with self.engine.begin() as c:
             await c.execute(t.webhook_attempts.insert().values(
-                delivery_id=delivery_id, status=status, error=error, ms=ms))  # fmt: skip
-            await c.execute(
-                t.webhook_deliveries.update().where(d.id == delivery_id).values(**values)
-            )
+                delivery_id=due.id, status=status, error=error, ms=ms))  # fmt: skip
+            await c.execute(t.webhook_deliveries.update().where(d.id == due.id).values(**values))
+            if next_at is not None:
+                await c.execute(
+                    t.webhook_deliveries.update()
+                    .where(
+                        d.webhook_id == due.webhook_id, d.state == "pending", d.next_at < next_at
+                    )
+                    .values(next_at=next_at)
+                )
 
     async def deliveries(self, tenant_id: str, webhook_id: str, limit: int) -> list[Delivery]:
         """The newest `limit` deliveries of one of the tenant's webhooks, newest first, each

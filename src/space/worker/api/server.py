@@ -435,7 +435,8 @@ def make_app(
             Middleware(ReleaseCheck),
             # Inside the authentication: only our own services' headers are believed.
             Middleware(RequestLog, sandbox_path=VM_PATH, trusted=True, quiet=QUIET),
-            Middleware(Traced, quiet=QUIET),  # in the caller's trace, which its headers carry
+            # In the caller's trace, which its headers carry.
+            Middleware(Traced, quiet=QUIET, trusted=True),
             Middleware(ActivityMiddleware, activity=api.activity),
         ],
         exception_handlers={**handlers, HTTPException: _on_http, Exception: _on_unexpected},
