@@ -16,6 +16,9 @@ NEVER_NETWORKS: tuple[IPNetwork, ...] = tuple(
     for n in (
         "0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4", "::/127",
         "64:ff9b::/96", "fe80::/10", "ff00::/8",
+        # IPv6 forms that carry an IPv4 address a host may route to it (IPv4-compatible and
+        # -translated, local NAT64, 6to4, Teredo), and the old site-local range.
+        "::/96", "::ffff:0:0:0/96", "64:ff9b:1::/48", "2002::/16", "2001::/32", "fec0::/10",
     )
 )  # fmt: skip
 # Private and shared ranges: dialled only where the operator opened them (an internal service)

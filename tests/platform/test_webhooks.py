@@ -45,6 +45,10 @@ def of_sandbox(receiver: Receiver, sandbox_id: str) -> list[dict[str, Any]]:
         ("http://100.64.0.1/", "private"),
         ("http://[fd00::1]/", "private"),
         ("http://10.128.0.2/", "never dialled"),  # a sandbox's own link
+        ("http://[::ffff:169.254.169.254]/", "link-local"),  # IPv4-mapped
+        ("http://[::a9fe:a9fe]/", "never dialled"),  # IPv4-compatible
+        ("http://[2002:a9fe:a9fe::1]/", "never dialled"),  # 6to4 of the metadata address
+        ("http://[::1/", "not a URL"),
         ("ftp://203.0.113.2/", "http"),
         ("http://user:pw@203.0.113.2/", "no user"),
         ("http://203.0.113.2:99999/", "port"),
