@@ -22,6 +22,7 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from space import __version__, logs
+from space.routes import route_of
 
 tracer = trace.get_tracer("space", __version__)
 REQUEST_ID = "space.request_id"
@@ -138,9 +139,8 @@ class Traced:
             try:
                 await self.app(scope, receive, answer)
             finally:
-                route = scope.get("route")
-                if route is not None and hasattr(route, "path"):
-                    current.update_name(f"{method} {route.path}")
-                    current.set_attribute("http.route", route.path)
+                if (route := route_of(scope)) is not None:
+                    current.update_name(f"{method} {route}")
+                    current.set_attribute("http.route", route)
                 if sandbox := logs.sandbox.get():
                     current.set_attribute(SANDBOX_ID, sandbox)

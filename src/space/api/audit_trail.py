@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from space import logs
 from space.db.store import AuditEntry, Tenant
+from space.routes import route_of
 
 if TYPE_CHECKING:
     from space.api.deps import Services
@@ -109,7 +110,7 @@ class AuditTrail:
 async def _record(
     services: Services, scope: Scope, caller: Tenant | None, status: int, created: str | None
 ) -> None:
-    route = _route(scope)
+    route = route_of(scope)
     # Without a key, only what worked is recorded (a worker's registration): anyone may send
     # the rest, as fast as they like, and the log keeps all it gets.
     if status == 429 or (caller is None and (status >= 400 or route is None)):
@@ -133,17 +134,6 @@ async def _record(
         await services.store.record_audit(entry)
     except Exception:  # the answer still goes: the call has happened
         log.exception("could not record %s (%d) in the audit log", entry.action, status)
-
-
-def _route(scope: Scope) -> str | None:
-    """The route the call took (under the prefix of the application it was mounted at, the
-    E2B surface's), or None if it took none."""
-    route = scope.get("route")
-    if route is None or not isinstance(getattr(route, "path", None), str):
-        return None
-    base, root = scope.get("app_root_path", ""), scope.get("root_path", "")
-    prefix = root[len(base) :] if root.startswith(base) else ""
-    return f"{prefix}{route.path}"
 
 
 def _is_json(start: Message) -> bool:
