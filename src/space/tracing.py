@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
@@ -24,7 +24,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from space import __version__, logs
 from space.routes import route_of
 
+if TYPE_CHECKING:
+    from fastapi.telemetry import TelemetryConfig
+
 tracer = trace.get_tracer("space", __version__)
+# FastAPI's own telemetry, off: `Traced` makes the one span of a request, under our rules (a
+# trace of our own at the public edge, the request id, no exception text), and nothing else
+# leaves a process unasked (its metrics and logs exporters).
+FASTAPI_TELEMETRY: TelemetryConfig = {
+    "tracing": False, "metrics": False, "logs": False, "operation_spans": False,
+    "auto_configure": False,
+}  # fmt: skip
 REQUEST_ID = "space.request_id"
 SANDBOX_ID = "space.sandbox_id"
 EXPORT_TIMEOUT_S = 5

@@ -171,9 +171,9 @@ def test_a_link_opens_one_port_of_one_sandbox_until_it_ends(
             assert r.status_code == 422 and r.json()["errors"], (body, r.text)
 
     # It ends when it expires.
-    short = token_of(echo.link(8000, expires_in_s=1))
+    short = token_of(echo.link(8000, expires_in_s=2))
     assert at(platform, host, "/", Cookie=f"space_link={short}").status_code == 200
-    time.sleep(1.5)
+    time.sleep(3.1)  # past its end, however the second it was made in had begun
     r = at(platform, host, "/", Cookie=f"space_link={short}")
     assert r.status_code == 401 and "expired" in r.json()["detail"], r.text
 

@@ -96,6 +96,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
         version=__version__,
         summary="Sandboxed microVMs for AI agents",
         lifespan=lifespan,
+        telemetry=tracing.FASTAPI_TELEMETRY,
     )
     errors.install(app)
     app.add_middleware(AuditTrail)  # innermost: it sees a preview host's request as rewritten

@@ -15,6 +15,7 @@ port and its end. It never reaches the sandbox: the ingress drops its cookie.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from datetime import UTC, datetime
@@ -187,7 +188,8 @@ async def create_link(
     await svc.store.get_sandbox(sandbox_id, caller.id)  # 404 for anyone else's
     if caller.key_id is None:
         raise APIError(403, "only a call made with an API key can sign a link")
-    grant = Grant(caller.key_id, sandbox_id, body.port, int(time.time()) + body.expires_in_s)
+    # Rounded up to the second: a link lasts at least as long as asked, never a moment less.
+    grant = Grant(caller.key_id, sandbox_id, body.port, math.ceil(time.time() + body.expires_in_s))
     host = f"{body.port}-{sandbox_id}.{svc.settings.api.preview_domain}"
     if request.url.port is not None:
         host += f":{request.url.port}"

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
+from space import tracing
 from space.api import errors
 from space.e2b import ENVD_PATH, PREFIX, rest
 from space.e2b.envd import Envd
@@ -26,7 +27,7 @@ def e2b_error(
 def create(state: State) -> FastAPI:
     """The surface, sharing the API's state (its services, made at its start)."""
     app = FastAPI(title="SPACE: E2B-compatible API", openapi_url=None, docs_url=None,
-                  redoc_url=None)  # fmt: skip
+                  redoc_url=None, telemetry=tracing.FASTAPI_TELEMETRY)  # fmt: skip
     app.state = state
     errors.install(app, render=e2b_error)
     app.include_router(rest.router)

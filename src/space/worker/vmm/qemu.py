@@ -398,11 +398,12 @@ class QemuVM(VM):
         if self._held_stream is not None:
             return
         self._held_stream = await self.open_agent_stream()
-        deadline = time.monotonic() + QMP_TIMEOUT_S
+        deadline, pause = time.monotonic() + QMP_TIMEOUT_S, 0.001
         while time.monotonic() < deadline:  # until QEMU has taken the connection
             if await self.agent_connected():
                 return
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)  # a busy host's QEMU is not asked a hundred times
         raise VMMUnresponsive(
             f"its VMM did not take the agent's connection within {QMP_TIMEOUT_S:.0f} s"
         )
