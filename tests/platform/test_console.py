@@ -406,3 +406,41 @@ def test_webhooks_and_the_audit_log_in_a_browser(
     assert page.evaluate("window.__violations") == [], "the page broke its CSP"
     assert errors == []
     context.close()
+
+
+def test_every_page_fits_a_phones_screen(
+    platform: Platform, browser: Browser, tmp_path: Path
+) -> None:
+    """At 400 px, as an admin sees them: no page is wider than the screen, and the navigation
+    leaves most of it to the page."""
+    with platform.client(platform.admin_key) as admin:
+        sid = admin.post("/v1/sandboxes", json={"metadata": {"for": "phone"}}).json()["id"]
+    context = browser.new_context(viewport={"width": 400, "height": 800})
+    context.add_init_script(VIOLATIONS)
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    page.goto(f"{platform.api_url}/console/")
+    sign_in(page, platform.admin_key)
+    expect(page.locator("h1")).to_have_text("Sandboxes")
+    pages = ["sandboxes", f"sandboxes/{sid}", "templates", "templates/base", "pools", "volumes",
+             "secrets", "webhooks", "audit", "tenants", "workers"]  # fmt: skip
+    loaded = page.locator("main .spinner")
+    for path in pages:
+        page.goto(f"{platform.api_url}/console/#/{path}")
+        page.wait_for_selector("main h1")
+        expect(loaded).to_have_count(0)  # what it shows has come
+        assert overflowing(page) == [], path
+        assert page.locator(".sidebar").bounding_box()["height"] <= 200, path  # type: ignore[index]
+        shot(page, tmp_path, "phone-" + path.replace("/", "-"))
+    page.goto(f"{platform.api_url}/console/#/sandboxes/{sid}")
+    for tab, marker in (("Terminal", "#terminal-status"), ("Files", "#files"),
+                        ("Events", "#events"), ("Egress", "#audit, .empty")):  # fmt: skip
+        page.click(f"role=tab[name={tab}]")
+        page.wait_for_selector(marker)
+        expect(loaded).to_have_count(0)
+        assert overflowing(page) == [], tab
+        shot(page, tmp_path, f"phone-sandbox-{tab.lower()}")
+    assert page.evaluate("window.__violations") == [], "the page broke its CSP"
+    context.close()
+    with platform.client(platform.admin_key) as admin:
+        admin.delete(f"/v1/sandboxes/{sid}")

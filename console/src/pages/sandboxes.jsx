@@ -195,7 +195,7 @@ export function Sandboxes() {
           </Empty>
         </div>
       ) : (
-        <div class="card">
+        <div class="card scroll">
           <table class="table" id="sandbox-table">
             <thead>
               <tr>

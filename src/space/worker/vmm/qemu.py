@@ -82,6 +82,7 @@ SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 # readonly=on with rom=off); before, it opens the file for writing whatever the mapping.
 READONLY_PRIVATE_MAP = (8, 2)
 SOCKET_WAIT_S = 10.0
+STARTING_PER_CPU = 2  # VMMs starting at once, until they answer on QMP
 QMP_TIMEOUT_S = 10.0
 SNAPSHOT_TIMEOUT_S = 120.0
 # QEMU's monitor answers only between chunks of an incoming state it loads: a large state,
@@ -462,6 +463,14 @@ class QemuDriver(Driver):
         self.mapped_memory = mapped_memory
         self.jail = jail
         self.shares = shares
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+
+    def _starting(self) -> asyncio.Semaphore:
+        """The slots of VMMs starting at once (in this event loop)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(STARTING_PER_CPU * (os.cpu_count() or 1)))
+        return self._slots[1]
 
     def _cmdline(self, config: VMConfig) -> str:
         cmdline = config.kernel_cmdline("ttyS0")
@@ -555,6 +564,14 @@ class QemuDriver(Driver):
         run_dir: Path,
         extra: list[str],
         state: Path | None = None,
+    ) -> QemuVM:
+        # A QEMU that starts takes a CPU until it greets us: fifty at once on two cores would
+        # each miss SOCKET_WAIT_S. They take turns instead, a few at a time; the rest wait.
+        async with self._starting():
+            return await self._launch_now(config, run_dir, extra, state)
+
+    async def _launch_now(
+        self, config: VMConfig, run_dir: Path, extra: list[str], state: Path | None
     ) -> QemuVM:
         if shutil.which(self.binary) is None:
             raise VMMError(f"{self.binary} not found: install the qemu-system-x86 package")
