@@ -345,6 +345,7 @@ def launch(
         "SPACE_QUOTA_DISK_MIB": "100000000",
         "SPACE_CONTROLLER_METRICS": metrics,
         "SPACE_METRICS_TOKEN": metrics_token,
+        "SPACE_USAGE_RESOLUTION": "1",  # metering reads every second (test_usage)
         "SPACE_GATEWAY_UPSTREAM_DNS": DNS_IP,
         "SPACE_GATEWAY_UPSTREAM_CA": str(internet.origin_ca),
         # A line per request and per step, each naming its request (tests/platform/test_logs).

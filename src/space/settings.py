@@ -121,6 +121,10 @@ class ControllerSettings:
     claim_grace_s: float = 15.0
     # How often the leader compares workers' VMs with the database and deletes what is gone.
     gc_interval_s: float = 15.0
+    # Metering: how often sandboxes are measured, and the width of a usage bucket; buckets
+    # older than `usage_fine_days` are rolled up into hours.
+    usage_resolution_s: int = 60
+    usage_fine_days: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -299,6 +303,8 @@ class Settings:
                 lease_ttl_s=e.number("SPACE_LEASE_TTL", 10.0, low=1.0),
                 claim_grace_s=e.number("SPACE_CLAIM_GRACE", 15.0, low=1.0),
                 gc_interval_s=e.number("SPACE_GC_INTERVAL", 15.0, low=1.0),
+                usage_resolution_s=e.integer("SPACE_USAGE_RESOLUTION", 60, low=1),
+                usage_fine_days=e.number("SPACE_USAGE_FINE_DAYS", 7.0, low=0.0),
             ),
             pools=PoolSettings(
                 refill_concurrency=e.integer("SPACE_POOL_REFILL_CONCURRENCY", 2, low=1),

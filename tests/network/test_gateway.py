@@ -368,3 +368,47 @@ async def test_gateway_and_worker_restarts_keep_sandboxes_working(world: World) 
     assert rebuilt == []
     assert egress.network("b") == b.net
     assert "hello from other.test" in world.run_in_guest(b, fetch, timeout=30).stdout
+
+
+TRAFFIC = """
+import http.client, ssl, sys
+ca_gateway, ca_origin = sys.argv[1], sys.argv[2]
+def go(conn, method, path, body=None):
+    conn.request(method, path, body=body, headers={"Content-Type": "application/octet-stream"})
+    got = conn.getresponse().read()
+    conn.close()
+    return len(got)
+plain = lambda: http.client.HTTPConnection("allowed.test", 80, timeout=20)
+print(go(plain(), "POST", "/", b"u" * 300_000))
+print(go(plain(), "GET", "/bytes/500000"))
+# Spliced by name (the origin's own certificate) and terminated (the deployment's).
+passed = ssl.create_default_context(cafile=ca_origin)
+print(go(http.client.HTTPSConnection("allowed.test", 443, context=passed, timeout=20),
+         "GET", "/bytes/200000"))
+inspected = ssl.create_default_context(cafile=ca_gateway)
+print(go(http.client.HTTPSConnection("inspect.test", 443, context=inspected, timeout=20),
+         "POST", "/", b"i" * 100_000))
+"""
+
+
+async def test_the_gateway_counts_each_sandboxs_bytes_by_host(world: World) -> None:
+    """What a guest sends and receives through its gateway is counted by the host it went to,
+    within the framing (heads, TLS records) of what the origin itself took and gave."""
+    policy = Policy(hosts=[HostRule(pattern="allowed.test", tls="passthrough", ports=[80, 443]),
+                           HostRule(pattern="inspect.test", tls="inspect")])  # fmt: skip
+    guest = await world.add_guest("counted", policy)
+    assert world.origin_ca is not None
+    proc = world.run_in_guest(
+        guest, [sys.executable, "-c", TRAFFIC, str(world.gateway_ca), str(world.origin_ca)],
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[1:3] == ["500000", "200000"], proc.stdout
+    async with world.client() as gw:
+        counted = (await gw.traffic())["counted"]
+    assert set(counted) == {"allowed.test", "inspect.test"}
+    sent, received = counted["allowed.test"]
+    assert 300_000 < sent < 300_000 + 8_000, counted  # the body, heads and a TLS handshake
+    assert 700_000 < received < 700_000 + 12_000, counted
+    sent, received = counted["inspect.test"]  # as the gateway wrote it, before its own TLS
+    assert 100_000 < sent < 100_000 + 1_000 and 0 < received < 1_000, counted

@@ -31,6 +31,7 @@ from space.api import (
     stats,
     templates,
     tenants,
+    usage,
     volumes,
     webhooks,
     workers,
@@ -125,6 +126,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
     app.include_router(previews.router)
     app.include_router(metrics.router)
     app.include_router(audit.router)
+    app.include_router(usage.router)
     app.include_router(webhooks.router)
     app.include_router(console.router)
     app.mount(e2b.PREFIX, e2b_app.create(app.state))

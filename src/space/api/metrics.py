@@ -1,20 +1,32 @@
 """Prometheus metrics of the API process at `/metrics`: creates by path, warm-pool hits and
-misses, and each pool's state read from the database at scrape time.
+misses, each pool's state, and each tenant's usage counters (`space_usage_*_total` by tenant
+and state, since metering began), the last two read from the database at scrape time.
 
 A scrape must send the deployment's metrics token as a bearer token (SPACE_METRICS_TOKEN, or
-one made once in the state directory, which `space up` prints). The figures name templates,
-never tenants or sandboxes.
+one made once in the state directory, which `space up` prints). The figures name templates and
+tenants (for billing), never sandboxes.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterator
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from space.api.deps import Svc
 from space.api.errors import APIError
+from space.db.store.usage import NAMES, Figures
 
 router = APIRouter()
 
@@ -44,4 +56,24 @@ async def metrics(request: Request, svc: Svc) -> Response:
         READY.labels(row["id"]).set(row["pool_ready"])
         STARTING.labels(row["id"]).set(row["pool_starting"])
         SIZE.labels(row["id"]).set(row["pool_size"])
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    usage = CollectorRegistry(auto_describe=False)
+    usage.register(_Usage(await svc.store.usage_totals()))
+    return Response(generate_latest() + generate_latest(usage), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Usage(Collector):
+    """Each tenant's usage totals, as counters by tenant and state."""
+
+    def __init__(self, totals: list[tuple[str, str, Figures]]) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterator[Metric]:
+        for name in NAMES:
+            family = CounterMetricFamily(
+                f"space_usage_{name}",
+                f"Usage: {name.replace('_', ' ')}",
+                labels=["tenant", "state"],
+            )
+            for tenant, state, figures in self.totals:
+                family.add_metric([tenant, state], getattr(figures, name))
+            yield family

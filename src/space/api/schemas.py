@@ -518,3 +518,57 @@ class Problem(BaseModel):
     detail: str
     state: str | None = None
     errors: list[dict[str, Any]] | None = None
+
+
+class UsageFigures(BaseModel):
+    """What was given and used in a span of time. Given: vCPUs and guest RAM times the seconds
+    in each state. Used: the host's CPU time on its VMMs, storage over time, and bytes."""
+
+    running_seconds: float = 0.0
+    paused_seconds: float = 0.0
+    suspended_seconds: float = 0.0
+    vcpu_seconds_running: float = 0.0
+    vcpu_seconds_paused: float = 0.0
+    memory_gib_seconds_running: float = 0.0
+    memory_gib_seconds_paused: float = 0.0
+    cpu_seconds: float = Field(0.0, description="CPU time the host spent on the VMMs")
+    disk_gib_hours: float = Field(0.0, description="root disks, as allocated on the pool")
+    snapshot_gib_hours: float = Field(0.0, description="snapshots of suspended sandboxes")
+    checkpoint_gib_hours: float = 0.0
+    volume_gib_hours: float = Field(0.0, description="volumes, at the size they were made")
+    net_rx_bytes: int = Field(0, description="received by the sandboxes' NICs")
+    net_tx_bytes: int = Field(0, description="sent by the sandboxes' NICs (let out or not)")
+    egress_bytes: int = Field(0, description="sent on to origins by the gateways")
+    ingress_bytes: int = Field(0, description="received from origins by the gateways")
+
+
+class UsagePoint(UsageFigures):
+    at: datetime = Field(description="the start of its step")
+
+
+class UsageSeries(BaseModel):
+    key: str | None = Field(
+        description="the tenant, sandbox, template or label value it is of (null: the total, "
+        "or what has no such label)"
+    )
+    points: list[UsagePoint]
+    total: UsageFigures
+
+
+class UsageAnswer(BaseModel):
+    since: datetime
+    until: datetime
+    step_s: int
+    by: str
+    series: list[UsageSeries]
+    total: UsageFigures
+
+
+class HostUsage(BaseModel):
+    host: str
+    sent_bytes: int
+    received_bytes: int
+
+
+class HostUsagePage(BaseModel):
+    items: list[HostUsage]

@@ -64,6 +64,10 @@ COMMANDS = {
         "space.cli.audit:audit",
         "The control plane's audit log: who changed what, when, from where, how it ended.",
     ),
+    "usage": LazyCommand(
+        "space.cli.usage:usage",
+        "What sandboxes and volumes were given and used: vCPU and RAM hours, CPU, storage, egress.",
+    ),
     # On this host
     "template": LazyCommand(
         "space.cli.templates:template", "Build and list templates on this host."

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         ExecOptions,
         ListFilters,
         RequestOptions,
+        UsageFilters,
     )
     from space.client._errors import (
         APIError,
@@ -50,12 +51,15 @@ if TYPE_CHECKING:
         ExecResult,
         FileEntry,
         FileEvent,
+        HostUsage,
         PoolInfo,
         PreviewLink,
         ProcessInfo,
         SandboxInfo,
         SecretInfo,
         TemplateInfo,
+        Usage,
+        UsageSeries,
         VolumeInfo,
     )
     from space.client._pty import AsyncPty, AsyncTerminal, Pty, Terminal
@@ -90,6 +94,7 @@ __all__ = [
     "FileEvent",
     "FileWatch",
     "Files",
+    "HostUsage",
     "ListFilters",
     "NotFoundError",
     "PoolInfo",
@@ -105,6 +110,9 @@ __all__ = [
     "SpaceError",
     "TemplateInfo",
     "Terminal",
+    "Usage",
+    "UsageFilters",
+    "UsageSeries",
     "ValidationError",
     "VolumeInfo",
     "WebhookSignatureError",

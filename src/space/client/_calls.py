@@ -30,11 +30,13 @@ from space.client._models import (
     CheckpointInfo,
     Event,
     FileEntry,
+    HostUsage,
     PreviewLink,
     ProcessInfo,
     SandboxInfo,
     SecretInfo,
     TemplateInfo,
+    Usage,
     VolumeInfo,
 )
 
@@ -460,17 +462,48 @@ class AuditFilters(TypedDict, total=False):
 
 
 def audit_log(after: int, limit: int, filters: AuditFilters) -> Call[list[AuditRecord]]:
-    params = [("after", str(after)), ("limit", str(limit))]
-    for name, value in filters.items():
-        if isinstance(value, datetime):
-            params.append((name, value.isoformat()))
-        elif isinstance(value, str):
-            params.append((name, value))
+    params = [("after", str(after)), ("limit", str(limit)), *_params(filters)]
     return Call(
         "GET",
         "/v1/audit",
         _json(lambda data: [AuditRecord.from_json(item) for item in data["items"]]),
         params=params,
+    )
+
+
+class UsageFilters(TypedDict, total=False):
+    """Whose usage `usage` and `usage_hosts` answer, and over which range (default: the last
+    day)."""
+
+    since: datetime | None
+    until: datetime | None
+    tenant: str | None  # an admin key's question: one tenant's usage
+    sandbox: str | None
+    template: str | None
+    label: str | None  # only sandboxes whose metadata has this "KEY=VALUE"
+
+
+def _params(filters: Mapping[str, object]) -> list[tuple[str, str]]:
+    params = []
+    for name, value in filters.items():
+        if isinstance(value, datetime):
+            params.append((name, value.isoformat()))
+        elif isinstance(value, str):
+            params.append((name, value))
+    return params
+
+
+def usage(step: str, by: str, filters: UsageFilters) -> Call[Usage]:
+    params = [("step", step), ("by", by), *_params(filters)]
+    return Call("GET", "/v1/usage", _json(Usage.from_json), params=params)
+
+
+def usage_hosts(limit: int, filters: UsageFilters) -> Call[list[HostUsage]]:
+    return Call(
+        "GET",
+        "/v1/usage/hosts",
+        _json(lambda data: [HostUsage.from_json(item) for item in data["items"]]),
+        params=[("limit", str(limit)), *_params(filters)],
     )
 
 

@@ -335,6 +335,58 @@ class AuditRecord:
         )
 
 
+def _figures(data: Mapping[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in data.items() if k != "at" and isinstance(v, int | float)}
+
+
+@dataclass(frozen=True)
+class UsageSeries:
+    """One group's usage (`key`: its tenant, sandbox, template or label value; None: the
+    whole), a point per step with something in it: (start of the step, figures)."""
+
+    key: str | None
+    points: list[tuple[datetime, dict[str, float]]]
+    total: dict[str, float]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> UsageSeries:
+        points = [(_time(p["at"]), _figures(p)) for p in data["points"]]
+        return cls(key=data.get("key"), points=points, total=_figures(data["total"]))
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What sandboxes and volumes were given and used from `since` to `until` (figures such
+    as `vcpu_seconds_running`, `cpu_seconds`, `egress_bytes`: docs/api.md lists them)."""
+
+    since: datetime
+    until: datetime
+    step_s: int
+    by: str
+    series: list[UsageSeries]
+    total: dict[str, float]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Usage:
+        return cls(since=_time(data["since"]), until=_time(data["until"]),
+                   step_s=int(data["step_s"]), by=data["by"],
+                   series=[UsageSeries.from_json(x) for x in data["series"]],
+                   total=_figures(data["total"]))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HostUsage:
+    """Bytes the gateways sent on to a host, and received from it."""
+
+    host: str
+    sent_bytes: int
+    received_bytes: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> HostUsage:
+        return cls(data["host"], int(data["sent_bytes"]), int(data["received_bytes"]))
+
+
 @dataclass(frozen=True)
 class AuditEvent:
     """One decision of the sandbox's gateway on its egress (`kind`: dns, tcp, tls, http, https,

@@ -33,11 +33,13 @@ from space.client._models import (
     Event,
     ExecResult,
     FileEntry,
+    HostUsage,
     PreviewLink,
     ProcessInfo,
     SandboxInfo,
     SecretInfo,
     TemplateInfo,
+    Usage,
     VolumeInfo,
 )
 from space.client._pty import Pty
@@ -99,6 +101,20 @@ class Space:
         """The control plane's audit log, oldest first, from the entry after id `after`: the
         tenant's own entries (an admin key's: everyone's, or `tenant`'s)."""
         return self._call(calls.audit_log(after, limit, filters))
+
+    def usage(
+        self, step: str = "1h", by: str = "total", **filters: Unpack[calls.UsageFilters]
+    ) -> Usage:
+        """What sandboxes and volumes were given and used, a point per `step` ("60s", "1h",
+        "1d"), as a whole or `by` tenant, sandbox, template or "label:KEY": the tenant's own
+        (an admin key's: everyone's, or `tenant`'s)."""
+        return self._call(calls.usage(step, by, filters))
+
+    def usage_hosts(
+        self, limit: int = 100, **filters: Unpack[calls.UsageFilters]
+    ) -> list[HostUsage]:
+        """The hosts sandboxes' gateways sent most to, with the bytes each way."""
+        return self._call(calls.usage_hosts(limit, filters))
 
     def set_secret(self, name: str, value: str) -> SecretInfo:
         """Create or replace a secret (sealed at rest); bind it to a sandbox's hosts with

@@ -7,10 +7,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from functools import partial
 
 from space import crashpoints, tracing
-from space.controller import upkeep
+from space.controller import metering, upkeep
 from space.controller.health import WorkerHealth
 from space.controller.leader import Leadership, LostLeadership
 from space.controller.pools import Pools
@@ -79,6 +80,8 @@ async def _lead(
     reconciler = Reconciler(store, workers, listener, pools, sealer, leadership, cs,
                             settings.egress_default)  # fmt: skip
     webhooks = Webhooks(store, sealer, egress_floor(list(settings.webhook_open_networks)))
+    meter = metering.Metering(store, workers, cs.usage_resolution_s)
+    fine_for = timedelta(days=cs.usage_fine_days)
     loops: list[Callable[[], Awaitable[None]]] = [
         reconciler.run,
         partial(upkeep.every, 1.0, "drains", reconciler.moves.drain),
@@ -94,6 +97,8 @@ async def _lead(
         partial(upkeep.every, 60.0, "stale", partial(upkeep.stale_checkpoints, store, workers)),
         partial(upkeep.every, 0.5, "templates", builds.once),
         partial(upkeep.every, 0.5, "webhooks", webhooks.once),
+        partial(upkeep.every, cs.usage_resolution_s, "metering", meter.once),
+        partial(upkeep.every, 600.0, "usage roll-up", partial(metering.roll_up, store, fine_for)),
     ]
     tasks = [asyncio.ensure_future(leadership.hold()), *(asyncio.ensure_future(f()) for f in loops)]
     try:

@@ -265,6 +265,73 @@ audit_log = sa.Table(
     sa.Index("audit_log_tenant", "tenant_id", "id"),
 )
 
+# Metering (db/store/usage.py): figures that add up, by name and column type.
+USAGE_FIGURES = {
+    "seconds": sa.Float,  # in the state
+    "vcpu_seconds": sa.Float,  # vCPUs given, times seconds
+    "memory_gib_seconds": sa.Float,  # guest RAM given, times seconds
+    "cpu_seconds": sa.Float,  # the host's CPU time, measured on its VMM
+    "disk_gib_hours": sa.Float,  # allocated on the pool by its disk
+    "snapshot_gib_hours": sa.Float,  # by its suspended snapshot
+    "checkpoint_gib_hours": sa.Float,  # by its checkpoints
+    "volume_gib_hours": sa.Float,  # a volume's size
+    "net_rx_bytes": sa.BigInteger,  # its NIC's counters
+    "net_tx_bytes": sa.BigInteger,
+    "egress_bytes": sa.BigInteger,  # what its gateway sent on to origins
+    "ingress_bytes": sa.BigInteger,  # and received from them
+}
+
+
+def _figures() -> list[sa.Column[object]]:
+    return [
+        sa.Column(n, kind, nullable=False, server_default="0") for n, kind in USAGE_FIGURES.items()
+    ]
+
+
+# What each sandbox (or volume) used per bucket of `step_s` seconds in one state: running,
+# paused, suspended, or stored (checkpoints, volumes). Rolled up into hours once old.
+usage = sa.Table(
+    "usage",
+    metadata,
+    sa.Column("bucket", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("step_s", sa.Integer, nullable=False),
+    sa.Column("tenant_id", sa.Text, nullable=False),  # no foreign key: usage outlives tenants
+    sa.Column("subject", sa.Text, nullable=False),  # a sandbox's id, or a volume's
+    sa.Column("kind", sa.Text, nullable=False),  # sandbox | volume
+    sa.Column("template", sa.Text, nullable=False, server_default=""),
+    sa.Column("state", sa.Text, nullable=False),
+    *_figures(),
+    sa.PrimaryKeyConstraint("subject", "bucket", "step_s", "state", "tenant_id"),
+    sa.Index("usage_tenant", "tenant_id", "bucket"),
+    sa.Index("usage_bucket", "bucket"),
+)
+
+# A sandbox's bytes through its gateway by host, per bucket.
+usage_traffic = sa.Table(
+    "usage_traffic",
+    metadata,
+    sa.Column("bucket", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("step_s", sa.Integer, nullable=False),
+    sa.Column("tenant_id", sa.Text, nullable=False),
+    sa.Column("sandbox_id", sa.Text, nullable=False),
+    sa.Column("host", sa.Text, nullable=False),
+    sa.Column("sent", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("received", sa.BigInteger, nullable=False, server_default="0"),
+    sa.PrimaryKeyConstraint("sandbox_id", "bucket", "step_s", "host", "tenant_id"),
+    sa.Index("usage_traffic_tenant", "tenant_id", "bucket"),
+    sa.Index("usage_traffic_bucket", "bucket"),
+)
+
+# Each tenant's figures since metering began, by state: they only grow (Prometheus counters).
+usage_totals = sa.Table(
+    "usage_totals",
+    metadata,
+    sa.Column("tenant_id", sa.Text, nullable=False),
+    sa.Column("state", sa.Text, nullable=False),
+    *_figures(),
+    sa.PrimaryKeyConstraint("tenant_id", "state"),
+)
+
 # Lifecycle webhooks (space.webhooks): a tenant's endpoints, what is owed to each, every try.
 webhooks = sa.Table(
     "webhooks",

@@ -67,5 +67,11 @@ class GatewayClient:
         ]
         return events
 
+    async def traffic(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """Each sandbox's bytes by host, (sent, received), since the gateway took it on."""
+        got = (await self._call("GET", "/traffic")).json()
+        return {sid: {host: (int(c[0]), int(c[1])) for host, c in hosts.items()}
+                for sid, hosts in got.items()}  # fmt: skip
+
     async def ca_pem(self) -> bytes:
         return (await self._call("GET", "/ca.pem")).content

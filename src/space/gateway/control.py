@@ -1,7 +1,8 @@
 """The worker's handle on the gateway: HTTP on a unix socket (root-only; not on any network).
 
 PUT /sandboxes/{id} {"address", "policy"} sets or changes a policy at once (new connections and
-queries use it); DELETE /sandboxes/{id}; GET /audit?sandbox=&after=&limit=; GET /ca.pem.
+queries use it); DELETE /sandboxes/{id}; GET /audit?sandbox=&after=&limit=; GET /ca.pem;
+GET /traffic: each sandbox's bytes by host, sent and received, since the gateway took it on.
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ def make_app(gateway: Gateway) -> Starlette:
             {"events": [e.to_json() for e in events], "dropped": gateway.audit.dropped(sandbox)}
         )
 
+    async def traffic(request: Request) -> Response:
+        return JSONResponse(
+            {sid: {host: list(counts) for host, counts in sandbox.traffic().items()}
+             for sid, sandbox in gateway.sandboxes.items()}
+        )  # fmt: skip
+
     async def ca(request: Request) -> Response:
         return Response(gateway.ca.pem, media_type="application/x-pem-file")
 
@@ -83,6 +90,7 @@ def make_app(gateway: Gateway) -> Starlette:
             Route("/sandboxes/{sandbox_id}", get_sandbox, methods=["GET"]),
             Route("/sandboxes/{sandbox_id}", delete_sandbox, methods=["DELETE"]),
             Route("/audit", audit),
+            Route("/traffic", traffic),
             Route("/ca.pem", ca),
         ]
     )

@@ -220,10 +220,14 @@ class HttpSession:
                 if held:
                     pending += upstream.h11.send(h11.Data(data=bytes(held))) or b""
                 pending += upstream.h11.send(h11.EndOfMessage()) or b""  # trailers dropped
-                await splice.write(upstream.writer, pending, self.config.idle_timeout)
+                await self._upstream_write(upstream, pending)
                 return
-            await splice.write(upstream.writer, pending, self.config.idle_timeout)
+            await self._upstream_write(upstream, pending)
             pending = b""
+
+    async def _upstream_write(self, upstream: Upstream, data: bytes) -> None:
+        await splice.write(upstream.writer, data, self.config.idle_timeout)
+        self.connection.sent += len(data)
 
     async def _relay(self, guest: h11.Connection, upstream: Upstream, values: list[bytes]) -> None:
         masker = Masker(values) if values else None
@@ -242,6 +246,7 @@ class HttpSession:
                     raise Refused(
                         f"origin silent for {self.config.idle_timeout:g} s", 504, upstream.address
                     ) from None
+                self.connection.received += len(data)
                 upstream.h11.receive_data(data)
             elif isinstance(event, h11.InformationalResponse):
                 continue  # 100 Continue: the gateway gave the guest its own

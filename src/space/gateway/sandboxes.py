@@ -26,6 +26,13 @@ class Connection:
     passthrough: bool | None = None  # TLS spliced (True) or terminated (False); None: not TLS
     secrets: tuple[Secret, ...] = ()  # bound to `name` when routed (injected, masked)
     allow_networks: tuple[str, ...] = ()
+    sent: int = 0  # bytes that went to the origin (as the gateway wrote them upstream)
+    received: int = 0  # bytes that came back from it
+
+    @property
+    def host(self) -> str:
+        """What its bytes are counted under: the name it was routed by, or the address."""
+        return self.name or str(self.dst)
 
     def bind(self, policy: Policy, name: str, rule: HostRule) -> None:
         self.name, self.rule = name, rule
@@ -53,6 +60,11 @@ def _bound(policy: Policy, name: str) -> tuple[Secret, ...]:
     return tuple(s for s in policy.secrets if s.bound_to(name))
 
 
+# Hosts whose bytes a sandbox's counts keep apart; any further ones are counted together.
+MAX_HOSTS = 1000
+OTHER_HOSTS = "(other hosts)"
+
+
 @dataclass(eq=False)
 class Sandbox:
     id: str
@@ -63,6 +75,26 @@ class Sandbox:
     refusals: Burst = field(default_factory=Burst)  # connections over its caps
     dns_refusals: Burst = field(default_factory=Burst)  # queries over its rate
     dns_pending: int = 0  # its queries waiting on the upstream
+    # Bytes (sent, received) by host of its connections that ended; `traffic()` adds the open.
+    ended: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def count(self, connection: Connection) -> None:
+        if connection.sent or connection.received:
+            _add(self.ended, connection.host, connection.sent, connection.received)
+
+    def traffic(self) -> dict[str, tuple[int, int]]:
+        """Bytes (sent, received) by host since the gateway took it on: they only grow."""
+        counts = dict(self.ended)
+        for c in self.connections:
+            _add(counts, c.host, c.sent, c.received)
+        return counts
+
+
+def _add(counts: dict[str, tuple[int, int]], host: str, sent: int, received: int) -> None:
+    if host not in counts and len(counts) >= MAX_HOSTS:
+        host = OTHER_HOSTS
+    before = counts.get(host, (0, 0))
+    counts[host] = (before[0] + sent, before[1] + received)
 
 
 class Registry:
@@ -114,6 +146,7 @@ class Registry:
 
     def untrack(self, sandbox: Sandbox, connection: Connection) -> None:
         sandbox.connections.discard(connection)
+        sandbox.count(connection)
         self.open -= 1
 
     def _close(self, sandbox: Sandbox, connections: list[Connection], why: str) -> None:

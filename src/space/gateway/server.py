@@ -179,7 +179,7 @@ class Gateway(Registry):
                 self._deny(sandbox, "tcp", e, None, port)
                 return
             self.audit.record(sandbox.id, "tcp", "allow", "CIDR rule", port=port, address=address)
-            await self._splice(sandbox, "tcp", None, port, conn, (up_reader, up_writer))
+            await self._splice(sandbox, connection, "tcp", conn, (up_reader, up_writer))
             return
         if port == 53:
             # DNS over TCP (large answers, or a guest's choice): the same resolver and policy.
@@ -207,7 +207,7 @@ class Gateway(Registry):
         if upstream is not None:
             self.audit.record(sandbox.id, kind, "allow", "TLS passed through by SNI", name, port,
                               upstream[2])  # fmt: skip
-            await self._splice(sandbox, kind, name, port, conn, upstream[:2])
+            await self._splice(sandbox, connection, kind, conn, upstream[:2])
             return
         try:
             streams = await splice.guest_streams(
@@ -223,9 +223,8 @@ class Gateway(Registry):
     async def _splice(
         self,
         sandbox: Sandbox,
+        connection: Connection,
         kind: str,
-        name: str | None,
-        port: int,
         conn: socket.socket,
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     ) -> None:
@@ -234,9 +233,9 @@ class Gateway(Registry):
         except BaseException:
             splice.close(upstream[1])
             raise
-        if not await splice.splice(guest, upstream, self.config.idle_timeout):
+        if not await splice.splice(guest, upstream, self.config.idle_timeout, connection):
             reason = f"closed: nothing moved for {self.config.idle_timeout:g} s"
-            self.audit.record(sandbox.id, kind, "deny", reason, name, port)
+            self.audit.record(sandbox.id, kind, "deny", reason, connection.name, connection.port)
 
     def _deny(self, sandbox: Sandbox, kind: str, e: Refused, name: str | None, port: int) -> None:
         self.audit.record(sandbox.id, kind, "deny", e.reason, name, port, e.address)

@@ -7,6 +7,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Callable
+from typing import Protocol
 
 CHUNK = 65536  # the most read at once; a stream's buffer holds at most about twice this
 STREAM_ERRORS = (OSError, ssl.SSLError)
@@ -49,11 +50,11 @@ async def write(writer: asyncio.StreamWriter, data: bytes, idle: float) -> None:
 
 
 async def _pipe(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, touch: Callable[[], None]
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, touch: Callable[[int], None]
 ) -> None:
     try:
         while data := await reader.read(CHUNK):
-            touch()
+            touch(len(data))
             writer.write(data)
             await writer.drain()
         if writer.can_write_eof():
@@ -62,20 +63,32 @@ async def _pipe(
         pass
 
 
+class Counted(Protocol):
+    sent: int  # bytes from a to b
+    received: int  # bytes from b to a
+
+
 async def splice(
     a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     idle: float,
+    counts: Counted,
 ) -> bool:
-    """Both ways until both ends are done; False if nothing moved either way for `idle` s."""
+    """Both ways until both ends are done, counting the bytes each way in `counts`; False if
+    nothing moved either way for `idle` s."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(idle) as deadline:
-
-            def touch() -> None:  # either direction moving keeps the pair alive
+            # Either direction moving keeps the pair alive.
+            def a_to_b(n: int) -> None:
+                counts.sent += n
                 deadline.reschedule(loop.time() + idle)
 
-            await asyncio.gather(_pipe(a[0], b[1], touch), _pipe(b[0], a[1], touch))
+            def b_to_a(n: int) -> None:
+                counts.received += n
+                deadline.reschedule(loop.time() + idle)
+
+            await asyncio.gather(_pipe(a[0], b[1], a_to_b), _pipe(b[0], a[1], b_to_a))
         return True
     except TimeoutError:
         return False

@@ -4,7 +4,8 @@
 keys), `templates` (and their builds), `pools` (warm-pool members and claims), `sandboxes`
 (rows, transitions, events), `checkpoints` (and forks), `secrets`, `volumes`, `workers`,
 `leases` (leadership),
-`audit` (the control plane's trail), `webhooks` (endpoints, deliveries, attempts).
+`audit` (the control plane's trail), `webhooks` (endpoints, deliveries, attempts), `usage`
+(metering).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from space.db.store.secrets import SecretQueries
 from space.db.store.strays import StrayQueries
 from space.db.store.templates import TemplateQueries
 from space.db.store.tenants import KEY_PREFIX, TenantQueries, key_id_of
+from space.db.store.usage import UsageQueries
 from space.db.store.volumes import VolumeQueries
 from space.db.store.webhooks import WebhookQueries
 from space.db.store.workers import WorkerQueries
@@ -53,6 +55,7 @@ class Store(
     LeaseQueries,
     AuditQueries,
     WebhookQueries,
+    UsageQueries,
 ):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine

@@ -52,6 +52,7 @@ from space.worker.api.models import (
     Reconcile,
     Reconciled,
     TerminalSize,
+    UsageReport,
     VMCreated,
     VMStats,
     VMStatusAnswer,
@@ -436,6 +437,11 @@ class WorkerClient:
         got = await self._call(
             "GET", w, w.vm(vm_id, "audit"), AuditItems, timeout=QUICK_S, params={"after": after}
         )
+        assert got is not None
+        return got
+
+    async def usage(self, w: Worker) -> UsageReport:
+        got = await self._call("GET", w, w.path("usage"), UsageReport, timeout=STATS_S)
         assert got is not None
         return got
 

@@ -437,6 +437,34 @@ class AuditItems(Answer):
     items: list[dict[str, Any]]
 
 
+class VMUsage(Answer):
+    """One sandbox in GET /usage: what it was given, and its counters (they only grow while its
+    VMM lives; `vmm` changes when they start again)."""
+
+    id: str
+    state: Literal["running", "paused", "suspended"]
+    age_s: float  # since it was created or adopted on this worker
+    vcpus: int
+    memory_mib: int
+    vmm: int | None = None  # its VMM's pid (None: suspended)
+    cpu_seconds: float = 0.0
+    memory_bytes: int = 0
+    disk_bytes: int = 0  # allocated on the pool by its disk
+    stored_bytes: int = 0  # allocated on the pool by its suspended snapshot
+    net_rx_bytes: int | None = None
+    net_tx_bytes: int | None = None
+    # Bytes (sent, received) by host through its gateway since the gateway took it on; None:
+    # the gateway did not answer this time.
+    traffic: dict[str, tuple[int, int]] | None = None
+
+
+class UsageReport(Answer):
+    """GET /usage: every sandbox here that runs, is paused or is suspended, measured at `at`."""
+
+    at: float
+    vms: list[VMUsage]
+
+
 class VMStats(Answer):
     """GET /vms/{id}/stats: what a live VM uses, measured on the host (its VMM process, its
     disk on the pool, its tap), never reported by the guest."""

@@ -16,6 +16,7 @@ import hmac
 import logging
 import re
 import ssl
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,10 +61,12 @@ from space.worker.api.models import (
     Reconciled,
     Resources,
     Shares,
+    UsageReport,
     VMCreated,
     VMReport,
     VMStats,
     VMStatusAnswer,
+    VMUsage,
     VolumePushed,
 )
 from space.worker.artifacts import templates as template_artifacts
@@ -305,6 +308,22 @@ class WorkerAPI:
         )  # fmt: skip
         return JSONResponse(stats.model_dump(mode="json"))
 
+    async def usage(self, request: Request) -> Response:
+        traffic: dict[str, dict[str, tuple[int, int]]] | None = {}
+        if self.manager.egress is not None:
+            try:
+                traffic = await self.manager.egress.gateway.traffic()
+            except GatewayError as e:
+                log.warning("no traffic counts from the gateway: %s", e)
+                traffic = None
+        suspended = self.manager.layout.suspended
+        metered = await asyncio.gather(
+            *(usage.meter(sb, self.manager.network_of(sb.id), suspended)
+              for sb in self.manager.vms())
+        )  # fmt: skip
+        vms = [_vm_usage(m, traffic) for m in metered if m is not None]
+        return JSONResponse(UsageReport(at=time.time(), vms=vms).model_dump(mode="json"))
+
     async def pause(self, request: Request) -> Response:
         self._fenced(request)
         sb = await self.manager.pause(self._vm_id(request))
@@ -381,6 +400,22 @@ async def _on_unexpected(request: Request, e: Exception) -> Response:
     return problem(500, f"internal error ({type(e).__name__}); it has been logged")
 
 
+def _vm_usage(m: usage.Metered, traffic: dict[str, dict[str, tuple[int, int]]] | None) -> VMUsage:
+    vm = VMUsage(
+        id=m.id, state=m.state, age_s=m.age_s, vcpus=m.vcpus,  # type: ignore[arg-type]
+        memory_mib=m.memory_mib, stored_bytes=m.stored_bytes,
+        traffic=None if traffic is None else traffic.get(m.id, {}),
+    )  # fmt: skip
+    if m.used is None:
+        return vm
+    u = m.used
+    return vm.model_copy(
+        update={"vmm": u.vmm, "cpu_seconds": u.cpu_seconds, "memory_bytes": u.memory_bytes,
+                "disk_bytes": u.disk_bytes, "net_rx_bytes": u.net_rx_bytes,
+                "net_tx_bytes": u.net_tx_bytes}
+    )  # fmt: skip
+
+
 def _state(vm_id: str, state: str) -> Response:
     return JSONResponse(VMStatusAnswer(id=vm_id, state=state).model_dump())  # type: ignore[arg-type]
 
@@ -397,6 +432,7 @@ def make_app(
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/reconcile", api.reconcile, methods=["POST"]),
+        Route("/usage", api.usage, methods=["GET"]),
         Route(vm, api.create, methods=["PUT"]),
         Route(vm, api.delete, methods=["DELETE"]),
         Route(f"{vm}/claim", api.claim, methods=["POST"]),

@@ -31,6 +31,7 @@ class Usage:
     disk_bytes: int  # allocated on the pool by the sandbox's disk (shared extents included)
     net_rx_bytes: int | None  # received by the guest's NIC; None: it has none
     net_tx_bytes: int | None  # sent by the guest's NIC (dropped by its policy or not)
+    vmm: int  # the VMM's pid: a new VMM (a resume, a reboot) starts the counters again
 
 
 def cpu_seconds(pid: int) -> float:
@@ -84,9 +85,44 @@ def _measure(sb: SandboxVM, net: SandboxNetwork | None) -> Usage:
     if net is not None:
         # The tap's receive side is what the guest sent, and the other way round.
         tx, rx = link_bytes(net.netns, net.tap)
-    return Usage(time.time(), cpu, pss, allocated_bytes(machine.disk), rx, tx)
+    return Usage(time.time(), cpu, pss, allocated_bytes(machine.disk), rx, tx, pid)
 
 
 async def measure(sb: SandboxVM, net: SandboxNetwork | None) -> Usage:
     """The figures of one live VM (WrongState if it has no VMM process now)."""
     return await asyncio.to_thread(_measure, sb, net)
+
+
+@dataclass(frozen=True)
+class Metered:
+    """One sandbox as metering sees it: what it was given, what it used (live), or what its
+    snapshot holds on disk (suspended)."""
+
+    id: str
+    state: str  # running (unresponsive ones too: their VMM holds what they were given), paused,
+    # or suspended
+    age_s: float  # since it was created or adopted on this worker
+    vcpus: int
+    memory_mib: int
+    used: Usage | None = None
+    stored_bytes: int = 0  # allocated on the pool by its suspended snapshot
+
+
+def _stored(directory: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in directory.rglob("*") if p.is_file())
+
+
+async def meter(sb: SandboxVM, net: SandboxNetwork | None, suspended: Path) -> Metered | None:
+    """None for a VM in error (nothing runs, nothing is held beyond its disk) or gone."""
+    state = {"unresponsive": "running"}.get(sb.state, sb.state)
+    age = time.monotonic() - sb.since
+    vcpus, memory = sb.spec.vcpus, sb.spec.memory_mib
+    try:
+        if state == "suspended":
+            stored = await asyncio.to_thread(_stored, suspended / sb.id)
+            return Metered(sb.id, state, age, vcpus, memory, stored_bytes=stored)
+        if state not in ("running", "paused"):
+            return None
+        return Metered(sb.id, state, age, vcpus, memory, used=await measure(sb, net))
+    except (WrongState, OSError, LookupError):  # it changed or went away meanwhile
+        return None

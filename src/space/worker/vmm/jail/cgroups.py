@@ -1,6 +1,7 @@
 """A cgroup of its own for each VMM: CPU, memory (guest RAM and the VMM's own overhead), pids and
 block I/O, under `space/` in each hierarchy. cgroup v2 where the host has it unified, v1
-(one hierarchy per controller) otherwise.
+(one hierarchy per controller) otherwise; on v1 the VMM's CPU time is accounted in a cpuacct
+cgroup of its own too (v2's cpu controller does it), for operators to check metering against.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
 PARENT = "space"
-V1_CONTROLLERS = ("cpu", "memory", "pids", "blkio")
+V1_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "blkio")
 V2_CONTROLLERS = ("cpu", "memory", "pids", "io")
 PERIOD_US = 100_000
 STALE_S = 60.0  # an empty cgroup this old belongs to no VMM being started
@@ -50,7 +51,9 @@ class Cgroups:
     def dirs(self, name: str) -> list[Path]:
         if self.v2:
             return [self.root / PARENT / name]
-        return [self.root / c / PARENT / name for c in V1_CONTROLLERS if (self.root / c).is_dir()]
+        # cpu and cpuacct are often one hierarchy with two names.
+        found = {(self.root / c).resolve() for c in V1_CONTROLLERS if (self.root / c).is_dir()}
+        return [h / PARENT / name for h in sorted(found)]
 
     def create(self, name: str, limits: Limits) -> list[str]:
         """Make the VMM's cgroups with `limits`; the cgroup.procs files it is to join."""

@@ -1,0 +1,168 @@
+"""The leader's metering arithmetic (`controller.metering`) with the workers' answers under the
+test's control: counters that start again, a new leader, a gateway that does not answer once, a
+worker silent for long, a sandbox that moved. tests/platform/test_usage.py measures real
+sandboxes against the host's own accounting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from space.controller.metering import GAP_READINGS, Metering
+from space.db.store.usage import Owner, Stored, TrafficSample, UsageSample
+from space.worker.api.client import WorkerError
+from space.worker.api.models import UsageReport, VMUsage
+
+RES = 10  # seconds a reading
+
+
+class Store:
+    def __init__(self) -> None:
+        self.samples: list[UsageSample] = []
+        self.traffic: list[TrafficSample] = []
+        self.workers_ = [{"id": "w1", "url": "http://w1.invalid", "state": "active"},
+                         {"id": "w2", "url": "http://w2.invalid", "state": "active"}]  # fmt: skip
+
+    async def workers(self) -> list[dict[str, Any]]:
+        return self.workers_
+
+    async def owners(self, ids: list[str]) -> dict[str, Owner]:
+        return {i: Owner("tn-a", "base") for i in ids if i.startswith("sb-")}
+
+    async def stored(self) -> list[Stored]:
+        return [Stored("volume", "vol-1", "tn-a", "", 2 << 30)]
+
+    async def record_usage(self, samples: list[UsageSample], traffic: list[TrafficSample]) -> None:
+        self.samples += samples
+        self.traffic += traffic
+
+    def total(self, sandbox: str, name: str, state: str | None = None) -> float:
+        return float(sum(getattr(s.figures, name) for s in self.samples
+                   if s.subject == sandbox and (state is None or s.state == state)))  # fmt: skip
+
+
+class Workers:
+    def __init__(self) -> None:
+        self.reports: dict[str, UsageReport | Exception] = {}
+
+    async def usage(self, w: Any) -> UsageReport:
+        answer = self.reports.get(w.id, UsageReport(at=0, vms=[]))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def vm(at: float, **kw: Any) -> UsageReport:
+    fields = {"id": "sb-1", "state": "running", "age_s": 1.0, "vcpus": 2, "memory_mib": 2048,
+              "vmm": 100, "cpu_seconds": 0.0, "net_rx_bytes": 0, "net_tx_bytes": 0,
+              "traffic": {}}  # fmt: skip
+    return UsageReport(at=at, vms=[VMUsage(**{**fields, **kw})])
+
+
+@pytest.fixture
+def world() -> tuple[Store, Workers, Metering]:
+    store, workers = Store(), Workers()
+    return store, workers, Metering(store, workers, RES)  # type: ignore[arg-type]
+
+
+async def test_given_and_used_add_up_over_readings(world: tuple[Store, Workers, Metering]) -> None:
+    store, workers, meter = world
+    t0 = 1_000_000.0
+    workers.reports["w1"] = vm(t0, age_s=4.0, cpu_seconds=3.0, net_tx_bytes=500,
+                               traffic={"pypi.org": (100, 1000)})  # fmt: skip
+    await meter.once()
+    # Young: counted from its start (4 s ago), its counters whole.
+    assert store.total("sb-1", "seconds") == 4.0
+    assert store.total("sb-1", "cpu_seconds") == 3.0
+    assert store.total("sb-1", "net_tx_bytes") == 500
+    assert store.total("sb-1", "egress_bytes") == 100
+    workers.reports["w1"] = vm(t0 + RES, age_s=14.0, state="paused", cpu_seconds=5.5,
+                               net_tx_bytes=800, traffic={"pypi.org": (150, 3000),
+                                                          "github.com": (7, 9)})  # fmt: skip
+    await meter.once()
+    assert store.total("sb-1", "vcpu_seconds", "paused") == 2 * RES
+    assert store.total("sb-1", "memory_gib_seconds", "paused") == 2 * RES
+    assert store.total("sb-1", "cpu_seconds") == 5.5
+    assert store.total("sb-1", "net_tx_bytes") == 800
+    assert store.total("sb-1", "egress_bytes") == 157
+    assert store.total("sb-1", "ingress_bytes") == 3009
+    by_host = {(x.host, x.sent, x.received) for x in store.traffic}
+    assert by_host == {("pypi.org", 100, 1000), ("pypi.org", 50, 2000), ("github.com", 7, 9)}
+    # Volumes are counted by their size for the time between readings.
+    volume = [s for s in store.samples if s.subject == "vol-1"]
+    assert volume and all(s.state == "stored" and s.kind == "volume" for s in volume)
+    assert volume[0].figures.volume_gib_hours == pytest.approx(2 * RES / 3600)
+
+
+async def test_counters_that_start_again_are_counted_whole(
+    world: tuple[Store, Workers, Metering],
+) -> None:
+    store, workers, meter = world
+    workers.reports["w1"] = vm(0.0, cpu_seconds=50.0, net_rx_bytes=10_000)
+    await meter.once()
+    # A resume: a new VMM, its CPU time from zero; the gateway forgot it (fewer bytes).
+    workers.reports["w1"] = vm(RES, vmm=200, cpu_seconds=60.0, net_rx_bytes=4000, age_s=2)
+    await meter.once()
+    assert store.total("sb-1", "cpu_seconds") == 50.0 + 60.0
+    assert store.total("sb-1", "net_rx_bytes") == 10_000 + 4000
+
+
+async def test_a_new_leader_counts_an_old_sandbox_from_its_first_reading(
+    world: tuple[Store, Workers, Metering],
+) -> None:
+    store, workers, meter = world
+    old = 3600.0  # running for an hour, which the last leader counted
+    workers.reports["w1"] = vm(0.0, age_s=old, cpu_seconds=900.0,
+                               traffic={"pypi.org": (10**6, 10**7)})  # fmt: skip
+    await meter.once()
+    assert store.total("sb-1", "cpu_seconds") == 0 and store.total("sb-1", "egress_bytes") == 0
+    assert store.total("sb-1", "seconds") == RES  # at most one reading of time
+    workers.reports["w1"] = vm(RES, age_s=old + RES, cpu_seconds=901.0,
+                               traffic={"pypi.org": (10**6 + 5, 10**7)})  # fmt: skip
+    await meter.once()
+    assert store.total("sb-1", "cpu_seconds") == 1.0 and store.total("sb-1", "egress_bytes") == 5
+
+
+async def test_a_gateway_that_did_not_answer_loses_no_bytes(
+    world: tuple[Store, Workers, Metering],
+) -> None:
+    store, workers, meter = world
+    workers.reports["w1"] = vm(0.0, traffic={"h": (100, 0)})
+    await meter.once()
+    workers.reports["w1"] = vm(RES, traffic=None)
+    await meter.once()
+    workers.reports["w1"] = vm(2 * RES, traffic={"h": (130, 0)})
+    await meter.once()
+    assert store.total("sb-1", "egress_bytes") == 130
+
+
+async def test_a_silent_worker_is_not_counted_as_time_its_sandboxes_ran(
+    world: tuple[Store, Workers, Metering],
+) -> None:
+    store, workers, meter = world
+    workers.reports["w1"] = vm(0.0, age_s=0.0, cpu_seconds=1.0)
+    await meter.once()
+    workers.reports["w1"] = WorkerError(0, "no answer", timed_out=True)
+    await meter.once()  # the other worker and the volumes are still counted
+    assert store.total("sb-1", "seconds") == 0
+    workers.reports["w1"] = vm(100 * RES, age_s=100 * RES, cpu_seconds=40.0)
+    await meter.once()
+    assert store.total("sb-1", "seconds") == GAP_READINGS * RES
+    assert store.total("sb-1", "cpu_seconds") == 40.0  # what it used is counted whole
+
+
+async def test_a_moved_sandbox_starts_afresh_and_strays_are_no_ones(
+    world: tuple[Store, Workers, Metering],
+) -> None:
+    store, workers, meter = world
+    workers.reports["w1"] = vm(0.0, cpu_seconds=7.0)
+    workers.reports["w2"] = vm(0.0, id="stray-1", cpu_seconds=99.0)
+    await meter.once()
+    assert store.total("stray-1", "cpu_seconds") == 0 and store.total("sb-1", "cpu_seconds") == 7
+    # On the second worker now: a new VMM there (the same pid by chance), counted whole.
+    workers.reports["w1"] = UsageReport(at=RES, vms=[])
+    workers.reports["w2"] = vm(RES, age_s=3.0, cpu_seconds=2.0)
+    await meter.once()
+    assert store.total("sb-1", "cpu_seconds") == 9.0
+    assert store.total("sb-1", "seconds") == 1.0 + 3.0
