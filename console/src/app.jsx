@@ -9,6 +9,7 @@ import { Sandboxes } from "./pages/sandboxes.jsx";
 import { Secrets } from "./pages/secrets.jsx";
 import { Template, Templates } from "./pages/templates.jsx";
 import { TenantPage, Tenants } from "./pages/tenants.jsx";
+import { Usage } from "./pages/usage.jsx";
 import { Volumes } from "./pages/volumes.jsx";
 import { Webhooks } from "./pages/webhooks.jsx";
 import { Workers } from "./pages/workers.jsx";
@@ -82,6 +83,7 @@ const NAV = [
   ["volumes", "Volumes"],
   ["secrets", "Secrets"],
   ["webhooks", "Webhooks"],
+  ["usage", "Usage"],
   ["audit", "Audit log"],
 ];
 // Shown to admin keys only (the API refuses the rest anyway).
@@ -101,6 +103,7 @@ function Page({ route, me }) {
   if (section === "secrets") return <Secrets />;
   if (section === "webhooks") return <Webhooks />;
   if (section === "audit") return <Audit me={me} />;
+  if (section === "usage") return <Usage me={me} range={id || "day"} />;
   if (section === "tenants" && !me.admin) return <AdminOnly title="Tenants" />;
   if (section === "tenants" && id) return <TenantPage id={id} me={me} />;
   if (section === "tenants") return <Tenants />;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -408,6 +409,55 @@ def test_webhooks_and_the_audit_log_in_a_browser(
     context.close()
 
 
+@pytest.fixture(scope="module")
+def metered(platform: Platform) -> Iterator[str]:
+    """A sandbox of tenant B that has fetched through its gateway and been metered."""
+    with platform.client(platform.key_b) as c:
+        sid = c.post(
+            "/v1/sandboxes", json={"network": {"hosts": [{"pattern": "allowed.test"}]}}
+        ).json()["id"]
+        assert fetch(c, sid, "http://allowed.test/")[0] == 0
+        deadline = time.monotonic() + 30
+        while not c.get("/v1/usage", params={"sandbox": sid}).json()["total"]["egress_bytes"]:
+            assert time.monotonic() < deadline, "the sandbox was never metered"
+            time.sleep(0.5)
+        yield sid
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+@pytest.mark.parametrize("width", [1280, 400])
+def test_usage_in_a_browser(
+    platform: Platform, browser: Browser, tmp_path: Path, width: int, metered: str
+) -> None:
+    """At a desktop's width and a phone's: the day's charts have bars, the sandbox that used
+    most and the host it fetched from are listed, the week and the month draw too, and no
+    chart is wider than the screen."""
+    context = browser.new_context(viewport={"width": width, "height": 800})
+    context.add_init_script(VIOLATIONS)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(WAIT_MS)
+    page.goto(f"{platform.api_url}/console/")
+    sign_in(page, platform.key_b)
+    page.click(".sidebar a[href='#/usage']")
+    expect(page.locator("#usage-sandboxes tr", has_text=metered)).to_be_visible()
+    expect(page.locator("#usage-hosts")).to_contain_text("allowed.test")
+    for chart in ("vcpu", "cpu", "memory", "egress", "storage"):
+        assert page.locator(f"#chart-{chart} rect").count() > 0, chart
+    assert overflowing(page) == [], "the usage page is wider than the screen"
+    shot(page, tmp_path, f"usage-day-{width}")
+    for tab in ("Last week", "Last month"):
+        page.click(f"role=tab[name='{tab}']")
+        expect(page.locator(".tabs a.active")).to_have_text(tab)
+        expect(page.locator("#chart-vcpu rect").first).to_be_visible()
+        assert overflowing(page) == [], tab
+        shot(page, tmp_path, f"usage-{tab.split()[-1]}-{width}")
+    assert page.evaluate("window.__violations") == [], "the page broke its CSP"
+    assert errors == []
+    context.close()
+
+
 def test_every_page_fits_a_phones_screen(
     platform: Platform, browser: Browser, tmp_path: Path
 ) -> None:
@@ -423,7 +473,8 @@ def test_every_page_fits_a_phones_screen(
     sign_in(page, platform.admin_key)
     expect(page.locator("h1")).to_have_text("Sandboxes")
     pages = ["sandboxes", f"sandboxes/{sid}", "templates", "templates/base", "pools", "volumes",
-             "secrets", "webhooks", "audit", "tenants", "workers"]  # fmt: skip
+             "secrets", "webhooks", "usage", "usage/month", "audit", "tenants",
+             "workers"]  # fmt: skip
     loaded = page.locator("main .spinner")
     for path in pages:
         page.goto(f"{platform.api_url}/console/#/{path}")
