@@ -5,11 +5,14 @@ sandboxes against the host's own accounting."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from space.controller.metering import GAP_READINGS, Metering
+from space.db import embedded, migrate
+from space.db.store import Store, connect
 from space.db.store.usage import Owner, Stored, TrafficSample, UsageSample
 from space.worker.api.client import WorkerError
 from space.worker.api.models import UsageReport, VMUsage
@@ -17,7 +20,9 @@ from space.worker.api.models import UsageReport, VMUsage
 RES = 10  # seconds a reading
 
 
-class Store:
+class Usage:
+    refuse = False  # the next write fails
+
     def __init__(self) -> None:
         self.samples: list[UsageSample] = []
         self.traffic: list[TrafficSample] = []
@@ -34,6 +39,9 @@ class Store:
         return [Stored("volume", "vol-1", "tn-a", "", 2 << 30)]
 
     async def record_usage(self, samples: list[UsageSample], traffic: list[TrafficSample]) -> None:
+        if self.refuse:
+            self.refuse = False
+            raise OSError("the database went away mid-write")
         self.samples += samples
         self.traffic += traffic
 
@@ -61,12 +69,12 @@ def vm(at: float, **kw: Any) -> UsageReport:
 
 
 @pytest.fixture
-def world() -> tuple[Store, Workers, Metering]:
-    store, workers = Store(), Workers()
+def world() -> tuple[Usage, Workers, Metering]:
+    store, workers = Usage(), Workers()
     return store, workers, Metering(store, workers, RES)  # type: ignore[arg-type]
 
 
-async def test_given_and_used_add_up_over_readings(world: tuple[Store, Workers, Metering]) -> None:
+async def test_given_and_used_add_up_over_readings(world: tuple[Usage, Workers, Metering]) -> None:
     store, workers, meter = world
     t0 = 1_000_000.0
     workers.reports["w1"] = vm(t0, age_s=4.0, cpu_seconds=3.0, net_tx_bytes=500,
@@ -96,7 +104,7 @@ async def test_given_and_used_add_up_over_readings(world: tuple[Store, Workers, 
 
 
 async def test_counters_that_start_again_are_counted_whole(
-    world: tuple[Store, Workers, Metering],
+    world: tuple[Usage, Workers, Metering],
 ) -> None:
     store, workers, meter = world
     workers.reports["w1"] = vm(0.0, cpu_seconds=50.0, net_rx_bytes=10_000)
@@ -109,7 +117,7 @@ async def test_counters_that_start_again_are_counted_whole(
 
 
 async def test_a_new_leader_counts_an_old_sandbox_from_its_first_reading(
-    world: tuple[Store, Workers, Metering],
+    world: tuple[Usage, Workers, Metering],
 ) -> None:
     store, workers, meter = world
     old = 3600.0  # running for an hour, which the last leader counted
@@ -125,7 +133,7 @@ async def test_a_new_leader_counts_an_old_sandbox_from_its_first_reading(
 
 
 async def test_a_gateway_that_did_not_answer_loses_no_bytes(
-    world: tuple[Store, Workers, Metering],
+    world: tuple[Usage, Workers, Metering],
 ) -> None:
     store, workers, meter = world
     workers.reports["w1"] = vm(0.0, traffic={"h": (100, 0)})
@@ -138,7 +146,7 @@ async def test_a_gateway_that_did_not_answer_loses_no_bytes(
 
 
 async def test_a_silent_worker_is_not_counted_as_time_its_sandboxes_ran(
-    world: tuple[Store, Workers, Metering],
+    world: tuple[Usage, Workers, Metering],
 ) -> None:
     store, workers, meter = world
     workers.reports["w1"] = vm(0.0, age_s=0.0, cpu_seconds=1.0)
@@ -153,7 +161,7 @@ async def test_a_silent_worker_is_not_counted_as_time_its_sandboxes_ran(
 
 
 async def test_a_moved_sandbox_starts_afresh_and_strays_are_no_ones(
-    world: tuple[Store, Workers, Metering],
+    world: tuple[Usage, Workers, Metering],
 ) -> None:
     store, workers, meter = world
     workers.reports["w1"] = vm(0.0, cpu_seconds=7.0)
@@ -166,3 +174,55 @@ async def test_a_moved_sandbox_starts_afresh_and_strays_are_no_ones(
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 9.0
     assert store.total("sb-1", "seconds") == 1.0 + 3.0
+
+
+async def test_a_write_that_failed_is_counted_by_the_next_round(
+    world: tuple[Usage, Workers, Metering],
+) -> None:
+    store, workers, meter = world
+    workers.reports["w1"] = vm(0.0, age_s=0.0, cpu_seconds=1.0, traffic={"h": (10, 0)})
+    await meter.once()
+    store.refuse = True
+    workers.reports["w1"] = vm(RES, age_s=RES, cpu_seconds=4.0, traffic={"h": (30, 0)})
+    with pytest.raises(OSError):
+        await meter.once()
+    workers.reports["w1"] = vm(2 * RES, age_s=2 * RES, cpu_seconds=6.0, traffic={"h": (35, 0)})
+    await meter.once()
+    assert store.total("sb-1", "cpu_seconds") == 6.0
+    assert store.total("sb-1", "egress_bytes") == 35
+    assert store.total("sb-1", "seconds") == 2 * RES
+
+
+async def test_a_round_the_database_refused_is_counted_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """PostgreSQL stopped for a round (a real one): that round's usage is not lost, nor counted
+    twice, once it is back."""
+    pgdata = tmp_path / "pg"
+    store = Store(connect(embedded.start(pgdata)))
+    try:
+        await migrate.upgrade(store.engine)
+        tenant = (await store.create_tenant("metered")).id
+        await store.ensure_template("base")
+        await store.create_sandbox(tenant, {
+            "id": "sb-1", "template": "base", "vcpus": 2, "memory_mib": 2048, "disk_mib": 1024,
+            "timeout_s": 300, "timeout_action": "pause"})  # fmt: skip
+        await store.register_worker("w1", "http://w1.invalid", "i", 64, 65536)
+        workers = Workers()
+        meter = Metering(store, workers, RES)  # type: ignore[arg-type]
+        workers.reports["w1"] = vm(0.0, age_s=0.0, cpu_seconds=1.0, traffic={"h": (10, 0)})
+        await meter.once()
+        embedded.stop(pgdata)
+        workers.reports["w1"] = vm(RES, age_s=RES, cpu_seconds=4.0, traffic={"h": (30, 0)})
+        with pytest.raises(OSError):
+            await meter.once()
+        embedded.start(pgdata)
+        workers.reports["w1"] = vm(2 * RES, age_s=2 * RES, cpu_seconds=6.0, traffic={"h": (35, 0)})
+        await meter.once()
+        [(_, state, total)] = [t for t in await store.usage_totals() if t[0] == tenant]
+        assert state == "running"
+        assert total.cpu_seconds == 6.0 and total.egress_bytes == 35
+        assert total.seconds == 2 * RES  # nothing lost, nothing twice
+    finally:
+        await store.close()
+        embedded.stop(pgdata)

@@ -72,17 +72,20 @@ class Metering:
         owners = await self.store.owners(sorted(seen))
         samples: list[UsageSample] = []
         traffic: list[TrafficSample] = []
+        # What an answering worker no longer has starts afresh if it comes back.
+        readings = {sandbox_id: last for sandbox_id, last in self._last.items()
+                    if last.worker not in reports or sandbox_id in seen}  # fmt: skip
         for worker, report in reports.items():
             for vm in report.vms:
                 owner = owners.get(vm.id)
                 if owner is not None:  # a VM the database does not know is no one's
-                    self._count(worker, report.at, vm, owner, samples, traffic)
-        # What an answering worker no longer has starts afresh if it comes back.
-        for sandbox_id, last in list(self._last.items()):
-            if last.worker in reports and sandbox_id not in seen:
-                del self._last[sandbox_id]
-        samples += await self._storage()
+                    readings[vm.id] = self._count(worker, report.at, vm, owner, samples, traffic)
+        now = time.time()
+        samples += await self._storage(now)
         await self.store.record_usage(samples, traffic)
+        # Only what was written is counted as read: after a failed write (the database away)
+        # the next round counts from the same readings, and loses nothing but time past the gap.
+        self._last, self._stored_at = readings, now
 
     def _count(
         self,
@@ -92,7 +95,9 @@ class Metering:
         owner: Owner,
         samples: list[UsageSample],
         traffic: list[TrafficSample],
-    ) -> None:
+    ) -> Reading:
+        """Adds what `vm` used since its last reading to `samples` and `traffic`; its new
+        reading."""
         before = self._last.get(vm.id)
         if before is not None and before.worker != worker:
             before = None  # it moved: its counters are the new worker's
@@ -121,7 +126,6 @@ class Metering:
             egress, ingress = egress + out, ingress + back
         # Without the gateway's answer this time, its counts are taken up at the next.
         hosts = old.traffic if vm.traffic is None else vm.traffic
-        self._last[vm.id] = Reading(worker, at, vm.vmm, vm.cpu_seconds, net, hosts)
         live = vm.state != "suspended"
         figures = Figures(
             seconds=seconds,
@@ -137,10 +141,10 @@ class Metering:
         )
         samples.append(UsageSample(bucket, self.resolution_s, owner.tenant_id, vm.id, "sandbox",
                                    owner.template, vm.state, figures))  # fmt: skip
+        return Reading(worker, at, vm.vmm, vm.cpu_seconds, net, hosts)
 
-    async def _storage(self) -> list[UsageSample]:
-        now = time.time()
-        last, self._stored_at = self._stored_at, now
+    async def _storage(self, now: float) -> list[UsageSample]:
+        last = self._stored_at
         seconds = (
             self.resolution_s if last is None else min(now - last, self.resolution_s * GAP_READINGS)
         )
