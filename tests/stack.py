@@ -221,6 +221,19 @@ class Platform:
 
         return asyncio.run(read())
 
+    def scalar(self, sql: str, **params: object) -> object:
+        """One value the database answers (what a test checks where only the database says)."""
+
+        async def read() -> object:
+            store = Store(connect(self.database_url, pool_size=1))
+            try:
+                async with store.engine.connect() as c:
+                    return await c.scalar(sa.text(sql), params)
+            finally:
+                await store.close()
+
+        return asyncio.run(read())
+
     def logs(self) -> str:
         return "\n".join(
             f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log")

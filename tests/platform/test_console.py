@@ -321,6 +321,24 @@ def test_an_admin_makes_a_tenant_and_a_key_then_revokes_it_in_a_browser(
     page.click(".sidebar a[href='#/tenants']")
     expect(page.locator(f"#tenants tr[data-id='{tid}']")).to_contain_text(name)
 
+    # Renamed, then deleted: what that deletes is stated, and only its name typed confirms it.
+    page.click(f"#tenants tr[data-id='{tid}'] a")
+    page.click(".page-header button:has-text('Rename')")
+    page.fill("input[name=tenant-rename]", f"{name}-2")
+    page.click(".dialog button[type=submit]")
+    expect(page.locator(".page-header h1")).to_have_text(f"{name}-2")
+    page.click(".page-header button.danger")
+    expect(page.locator("#deletion")).to_contain_text("0 sandbox(es)")
+    expect(page.locator("#delete-tenant")).to_be_disabled()
+    page.fill("input[name=confirm-name]", name)  # its old name confirms nothing
+    expect(page.locator("#delete-tenant")).to_be_disabled()
+    page.fill("input[name=confirm-name]", f"{name}-2")
+    shot(page, tmp_path, "tenant-delete")
+    page.click("#delete-tenant")
+    page.wait_for_url(re.compile(r".*#/tenants$"))
+    expect(page.locator("#tenants")).to_be_visible()
+    expect(page.locator(f"#tenants tr[data-id='{tid}']")).to_have_count(0)
+
     # The workers, as GET /v1/workers has them.
     page.click(".sidebar a[href='#/workers']")
     row = page.locator(f"#workers tr[data-id='{platform.worker_id}']")

@@ -6,6 +6,8 @@ and bad input 422."""
 from __future__ import annotations
 
 import secrets
+import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +18,7 @@ from space.db.store import POOL_TENANT
 from ..stack import Platform
 
 pytestmark = pytest.mark.vm
+POOL = Path("/var/lib/space/pool")
 
 
 def problem(r: httpx.Response, status: int) -> str:
@@ -45,6 +48,9 @@ def test_a_tenant_key_may_not_list_or_touch_anything(platform: Platform) -> None
         ("POST", f"/v1/tenants/{tid}/keys", {"content": b"not json"}),
         ("DELETE", f"/v1/tenants/{tid}/keys/{kid}", {}),
         ("GET", "/v1/tenants/tn-nothing/keys", {}),
+        ("PATCH", f"/v1/tenants/{tid}", {"json": {"name": "mine"}}),
+        ("GET", f"/v1/tenants/{tid}/deletion", {}),
+        ("DELETE", f"/v1/tenants/{tid}", {"params": {"confirm": "x"}}),
     ]
     before = {}
     with platform.client(platform.admin_key) as admin:
@@ -174,3 +180,68 @@ def test_unknown_ids_are_404_and_bad_input_422(platform: Platform) -> None:
                      {"name": None}]:  # fmt: skip
             problem(admin.post(f"/v1/tenants/{tid}/keys", json=body), 422)
         assert admin.get(f"/v1/tenants/{tid}/keys").status_code == 200
+
+
+def test_an_admin_renames_a_tenant_then_deletes_it_and_all_it_holds(platform: Platform) -> None:
+    """Deleting a tenant is stated before (what it deletes) and confirmed by its name; then its
+    keys are refused at once, its sandboxes and volumes are deleted by the controller within a
+    minute, its secrets and webhooks are gone, and its name can be taken again."""
+    name = f"doomed-{secrets.token_hex(4)}"
+    with platform.client(platform.admin_key) as admin:
+        tid = admin.post("/v1/tenants", json={"name": name}).json()["id"]
+        key = admin.post(f"/v1/tenants/{tid}/keys", json={}).json()["key"]
+        with platform.client(key) as t:
+            sb = t.post("/v1/sandboxes", json={})
+            assert sb.status_code == 201, sb.text
+            vol = t.post("/v1/volumes", json={"name": "data", "size_mib": 16}).json()["id"]
+            assert t.put("/v1/secrets/token", json={"value": "s3cret"}).status_code == 200
+            hook = t.post("/v1/webhooks", json={"url": "http://203.0.113.2:8080/ok"})
+            assert hook.status_code == 201, hook.text
+        sid = sb.json()["id"]
+
+        renamed = f"{name}-renamed"
+        r = admin.patch(f"/v1/tenants/{tid}", json={"name": renamed})
+        assert r.status_code == 200 and r.json()["name"] == renamed, r.text
+        taken = admin.get("/v1/me").json()["tenant_name"]
+        assert "already" in problem(admin.patch(f"/v1/tenants/{tid}", json={"name": taken}), 409)
+        problem(admin.patch(f"/v1/tenants/{tid}", json={"name": "no spaces"}), 422)
+        with platform.client(key) as t:
+            assert t.get("/v1/me").json()["tenant_name"] == renamed  # its key still works
+
+        stated = admin.get(f"/v1/tenants/{tid}/deletion").json()
+        assert stated["sandboxes"] == [sid] and stated["volumes"] == [vol]
+        assert (stated["keys"], stated["secrets"], stated["webhooks"]) == (1, 1, 1)
+        detail = problem(admin.delete(f"/v1/tenants/{tid}"), 400)
+        assert "1 sandbox(es)" in detail and f"confirm={renamed}" in detail
+        problem(admin.delete(f"/v1/tenants/{tid}", params={"confirm": name}), 400)
+        own = admin.get("/v1/me").json()["tenant_id"]
+        problem(admin.delete(f"/v1/tenants/{own}", params={"confirm": taken}), 409)
+        with platform.client(key) as t:
+            assert t.get("/v1/sandboxes").status_code == 200  # nothing happened yet
+
+        done = admin.delete(f"/v1/tenants/{tid}", params={"confirm": renamed})
+        assert done.status_code == 200, done.text
+        assert done.json()["sandboxes"] == [sid]
+        with platform.client(key) as t:
+            assert t.get("/v1/sandboxes").status_code == 401
+        problem(admin.get(f"/v1/tenants/{tid}"), 404)
+        assert tid not in {x["id"] for x in admin.get("/v1/tenants").json()["items"]}
+        problem(admin.delete(f"/v1/tenants/{tid}", params={"confirm": renamed}), 404)
+
+        rows = {r["id"]: r for r in platform.rows([sid])}
+        deadline = time.monotonic() + 60
+        while rows[sid]["state"] != "deleted":
+            assert time.monotonic() < deadline, rows[sid]
+            time.sleep(0.5)
+            rows = {r["id"]: r for r in platform.rows([sid])}
+        assert not list((POOL / "workers").glob(f"*/vms/{sid}"))  # its VM and disk are gone
+        again = admin.post("/v1/tenants", json={"name": renamed})
+        assert again.status_code == 201 and again.json()["id"] != tid
+        # Its volume follows its sandbox; secrets and webhooks went with the tenant.
+        state = "SELECT state FROM volumes WHERE id = :id"
+        while platform.scalar(state, id=vol) != "deleted":
+            assert time.monotonic() < deadline + 60, platform.scalar(state, id=vol)
+            time.sleep(0.5)
+        for table in ("secrets", "webhooks"):
+            held = platform.scalar(f"SELECT count(*) FROM {table} WHERE tenant_id = :t", t=tid)
+            assert held == 0, table

@@ -196,11 +196,121 @@ function NewKey({ tenant, onClose, onMade }) {
   );
 }
 
+function Rename({ tenant, onClose, onDone }) {
+  const [name, setName] = useState(tenant.name);
+  const [error, setError] = useState(null);
+  const [busy, setBusy] = useState(false);
+  const submit = async (e) => {
+    e.preventDefault();
+    setBusy(true);
+    setError(null);
+    try {
+      await json("PATCH", tenantPath(tenant.id), { body: { name: name.trim() } });
+      onDone();
+      onClose();
+    } catch (err) {
+      setError(err);
+      setBusy(false);
+    }
+  };
+  return (
+    <Dialog
+      title={`Rename ${tenant.name}`}
+      onClose={onClose}
+      footer={
+        <>
+          <button class="ghost" onClick={onClose}>
+            Cancel
+          </button>
+          <button class="primary" type="submit" form="rename" disabled={busy || !name.trim() || name.trim() === tenant.name}>
+            {busy ? <Spinner label="Renaming" /> : "Rename"}
+          </button>
+        </>
+      }
+    >
+      <form id="rename" onSubmit={submit}>
+        <Field label="New name" hint="unique: letters, digits and . _ @ - (a letter or digit first)">
+          <input name="tenant-rename" value={name} onInput={(e) => setName(e.target.value)} autofocus />
+        </Field>
+      </form>
+      <p class="muted small">Its keys, sandboxes and usage stay as they are.</p>
+      <ErrorBox error={error} title="Not renamed" />
+    </Dialog>
+  );
+}
+
+// Deleting a tenant: what it deletes is stated first, and the tenant's name typed to confirm.
+function Delete({ tenant, me, onClose }) {
+  const stated = usePoll(() => get(tenantPath(tenant.id, "/deletion")), 0, [tenant.id]);
+  const [typed, setTyped] = useState("");
+  const [error, setError] = useState(null);
+  const [busy, setBusy] = useState(false);
+  const own = tenant.id === me.tenant_id;
+  const go = async () => {
+    setBusy(true);
+    setError(null);
+    try {
+      await json("DELETE", tenantPath(tenant.id), { query: { confirm: typed } });
+      location.hash = "#/tenants";
+    } catch (err) {
+      setError(err);
+      setBusy(false);
+    }
+  };
+  const d = stated.data;
+  return (
+    <Dialog
+      title={`Delete tenant ${tenant.name}?`}
+      onClose={onClose}
+      footer={
+        <>
+          <button class="ghost" onClick={onClose}>
+            Cancel
+          </button>
+          <button class="danger" id="delete-tenant" disabled={busy || own || typed !== tenant.name} onClick={go}>
+            {busy ? <Spinner label="Deleting" /> : "Delete tenant"}
+          </button>
+        </>
+      }
+    >
+      <ErrorBox error={stated.error} title="What it holds was not read" />
+      {!d ? (
+        <Spinner label="Reading what it holds" />
+      ) : (
+        <div id="deletion">
+          <p>This cannot be undone. At once:</p>
+          <ul>
+            <li>its {d.keys} active key(s) are revoked;</li>
+            <li>its {d.secrets} secret(s) and {d.webhooks} webhook(s) are removed;</li>
+            <li>
+              its <strong>{d.sandboxes.length} sandbox(es)</strong> are deleted, stopped and their disks and snapshots removed{d.sandboxes.length ? `: ${d.sandboxes.slice(0, 5).join(", ")}${d.sandboxes.length > 5 ? "…" : ""}` : ""};
+            </li>
+            <li>
+              its <strong>{d.volumes.length} volume(s)</strong> are deleted, data and all, once no sandbox has them.
+            </li>
+          </ul>
+          <p class="muted small">Its usage and audit entries stay; its name is freed.</p>
+        </div>
+      )}
+      {own ? (
+        <p class="error">This is your own tenant: delete it with another tenant's admin key.</p>
+      ) : (
+        <Field label={`Type ${tenant.name} to confirm`}>
+          <input name="confirm-name" value={typed} onInput={(e) => setTyped(e.target.value)} autocomplete="off" />
+        </Field>
+      )}
+      <ErrorBox error={error} title="Not deleted" />
+    </Dialog>
+  );
+}
+
 export function TenantPage({ id, me }) {
   const tenant = usePoll(() => get(tenantPath(id)), 10000, [id]);
   const keys = usePoll(() => get(tenantPath(id, "/keys")), 10000, [id]);
   const [creating, setCreating] = useState(false);
   const [revoking, setRevoking] = useState(null);
+  const [renaming, setRenaming] = useState(false);
+  const [deleting, setDeleting] = useState(false);
   const t = tenant.data;
   if (tenant.error && !t) {
     return (
@@ -219,10 +329,18 @@ export function TenantPage({ id, me }) {
         <a href="#/tenants">Tenants</a> / <span>{t.name}</span>
       </div>
       <PageHeader title={t.name} subtitle={`${t.id} · created ${ago(t.created_at)} · ${t.sandboxes} sandboxes`}>
+        <button class="ghost" onClick={() => setRenaming(true)}>
+          Rename
+        </button>
+        <button class="danger" onClick={() => setDeleting(true)}>
+          Delete
+        </button>
         <button class="primary" onClick={() => setCreating(true)}>
           New key
         </button>
       </PageHeader>
+      {renaming && <Rename tenant={t} onClose={() => setRenaming(false)} onDone={() => tenant.reload()} />}
+      {deleting && <Delete tenant={t} me={me} onClose={() => setDeleting(false)} />}
       <h2 class="section">API keys</h2>
       <ErrorBox error={keys.error} title="Keys not loaded" />
       {keys.loading && !keys.data ? (

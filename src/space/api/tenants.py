@@ -4,13 +4,15 @@ it (only its hash is stored); listings never carry a key or its hash."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, Field
 
+from space import logs
 from space.api.deps import Caller, Svc, require_admin
 from space.api.errors import APIError
 from space.db.store import Row, Tenant, key_id_of
@@ -47,6 +49,24 @@ class NewTenant(BaseModel):
         max_length=100,
         description="unique; letters, digits and ._@- (a letter or digit first)",
     )
+
+
+class TenantChange(NewTenant):
+    """A tenant's new name."""
+
+
+class TenantDeletionInfo(BaseModel):
+    """What deleting the tenant does (or did): every sandbox of it deleted (stopped, its disk
+    and snapshots removed), its volumes deleted once no sandbox has them, its keys revoked, its
+    secrets and webhooks removed at once. Its usage and audit entries stay."""
+
+    id: str
+    name: str
+    sandboxes: list[str] = Field(description="its sandboxes not deleted: each is deleted")
+    volumes: list[str] = Field(description="its volumes: each is deleted, data and all")
+    keys: int = Field(description="active keys: revoked at once")
+    secrets: int
+    webhooks: int
 
 
 class KeyInfo(BaseModel):
@@ -94,6 +114,46 @@ async def create_tenant(body: NewTenant, svc: Svc, caller: Admin) -> TenantInfo:
 @router.get("/{tenant_id}", response_model=TenantInfo)
 async def get_tenant(tenant_id: str, svc: Svc, _: Admin) -> TenantInfo:
     return TenantInfo(**await _tenant(svc, tenant_id))
+
+
+@router.patch("/{tenant_id}", response_model=TenantInfo)
+async def rename_tenant(tenant_id: str, body: TenantChange, svc: Svc, caller: Admin) -> TenantInfo:
+    """A new name (409 if another tenant has it); its keys, sandboxes and usage stay as they are."""
+    await svc.store.rename_tenant(tenant_id, body.name)
+    log.info("tenant %s renamed %s by key %s", tenant_id, body.name, caller.key_id)
+    return TenantInfo(**await _tenant(svc, tenant_id))
+
+
+@router.get("/{tenant_id}/deletion", response_model=TenantDeletionInfo)
+async def deletion(tenant_id: str, svc: Svc, _: Admin) -> TenantDeletionInfo:
+    """What `DELETE /v1/tenants/{id}` would do now."""
+    row = await _tenant(svc, tenant_id)
+    held = await svc.store.tenant_deletion(tenant_id)
+    return TenantDeletionInfo(id=row["id"], name=row["name"], **dataclasses.asdict(held))
+
+
+@router.delete("/{tenant_id}", response_model=TenantDeletionInfo)
+async def delete_tenant(
+    tenant_id: str,
+    svc: Svc,
+    caller: Admin,
+    confirm: Annotated[str, Query(max_length=100, description="the tenant's name")] = "",
+) -> TenantDeletionInfo:
+    """Deletes the tenant and everything it holds (`GET …/deletion` says what, beforehand);
+    `confirm` must be its name. Refused for the caller's own tenant."""
+    row = await _tenant(svc, tenant_id)
+    if tenant_id == caller.id:
+        raise APIError(409, "a key cannot delete its own tenant: use another tenant's admin key")
+    if confirm != row["name"]:
+        held = await svc.store.tenant_deletion(tenant_id)
+        raise APIError(400, f"deleting tenant {row['name']!r} deletes its "
+                       f"{len(held.sandboxes)} sandbox(es) and {len(held.volumes)} volume(s) "
+                       f"and revokes its {held.keys} key(s): pass confirm={row['name']} "
+                       "to do it")  # fmt: skip
+    held = await svc.store.delete_tenant(tenant_id, logs.request_id.get())
+    log.warning("tenant %s (%s) deleted by key %s: %d sandbox(es), %d volume(s)", tenant_id,
+                row["name"], caller.key_id, len(held.sandboxes), len(held.volumes))  # fmt: skip
+    return TenantDeletionInfo(id=tenant_id, name=row["name"], **dataclasses.asdict(held))
 
 
 @router.get("/{tenant_id}/keys", response_model=KeyList)

@@ -17,6 +17,8 @@ tenants = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     # An operator's overrides of the deployment's default quotas (space.quotas).
     sa.Column("quotas", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    # Deleted (its name freed, its keys revoked, what it held deleted); the row stays.
+    sa.Column("deleted_at", sa.DateTime(timezone=True)),
 )
 
 api_keys = sa.Table(

@@ -6,13 +6,25 @@ import base64
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from space.db import tables as t
-from space.db.store.base import POOL_NAME, POOL_TENANT, Queries, Refused, Row, Tenant, new_id
+from space.db.store.base import (
+    POOL_NAME,
+    POOL_TENANT,
+    Queries,
+    Refused,
+    Row,
+    Tenant,
+    event,
+    new_id,
+    notify,
+)
 
 KEY_PREFIX = "sk_space_"
 
@@ -24,6 +36,18 @@ def _sha256(secret: str) -> bytes:
 def key_id_of(key: str) -> str:
     """A key's public part: its id, the characters between the prefix and the secret."""
     return key[len(KEY_PREFIX) :].split("_", 1)[0]
+
+
+@dataclass(frozen=True)
+class TenantDeletion:
+    """What deleting a tenant does: its sandboxes and volumes are deleted (by the controller,
+    as a delete each), its keys revoked, its secrets and webhooks removed at once."""
+
+    sandboxes: list[str]
+    volumes: list[str]
+    keys: int
+    secrets: int
+    webhooks: int
 
 
 class TenantQueries(Queries):
@@ -81,13 +105,67 @@ class TenantQueries(Queries):
             )
             .outerjoin(held, held.c.tenant_id == tn.id)
             .outerjoin(keys, keys.c.tenant_id == tn.id)
-            .where(tn.id != POOL_TENANT)
+            .where(tn.id != POOL_TENANT, tn.deleted_at.is_(None))
             .order_by(tn.created_at, tn.name)
         )
         if tenant_id is not None:
             query = query.where(tn.id == tenant_id)
         async with self.engine.connect() as c:
             return list((await c.execute(query)).mappings())
+
+    async def rename_tenant(self, tenant_id: str, name: str) -> None:
+        """Refused: 404 for no such tenant, 409 for a name taken."""
+        tn = t.tenants.c
+        q = (t.tenants.update().where(tn.id == tenant_id, tn.id != POOL_TENANT,
+                                      tn.deleted_at.is_(None)).values(name=name))  # fmt: skip
+        if name == POOL_NAME:
+            raise Refused(409, f"{name!r} is reserved for the warm pools")
+        try:
+            async with self.engine.begin() as c:
+                if (await c.execute(q)).rowcount != 1:
+                    raise Refused(404, f"no tenant {tenant_id!r}")
+        except sa.exc.IntegrityError:
+            raise Refused(409, f"there is a tenant named {name!r} already") from None
+
+    async def tenant_deletion(self, tenant_id: str) -> TenantDeletion:
+        """What deleting the tenant would do now."""
+        async with self.engine.connect() as c:
+            return await _holdings(c, tenant_id)
+
+    async def delete_tenant(self, tenant_id: str, request_id: str | None = None) -> TenantDeletion:
+        """At once, in one transaction: its keys revoked, its secrets and webhooks removed,
+        every sandbox of it asked to be deleted, its volumes to follow once no sandbox has them,
+        and its name freed. Refused (404) for no such tenant."""
+        tn, s, k, v = t.tenants.c, t.sandboxes.c, t.api_keys.c, t.volumes.c
+        async with self.engine.begin() as c:
+            gone = await c.execute(
+                t.tenants.update()
+                .where(tn.id == tenant_id, tn.id != POOL_TENANT, tn.deleted_at.is_(None))
+                .values(deleted_at=sa.func.now(), name=tn.id + ".deleted")
+            )
+            if gone.rowcount != 1:
+                raise Refused(404, f"no tenant {tenant_id!r}")
+            held = await _holdings(c, tenant_id)
+            await c.execute(
+                t.api_keys.update().where(k.tenant_id == tenant_id, k.revoked_at.is_(None))
+                .values(revoked_at=sa.func.now())
+            )  # fmt: skip
+            await c.execute(t.secrets.delete().where(t.secrets.c.tenant_id == tenant_id))
+            await c.execute(t.webhooks.delete().where(t.webhooks.c.tenant_id == tenant_id))
+            rows = (await c.execute(
+                t.sandboxes.update()
+                .where(s.tenant_id == tenant_id, s.state != "deleted", s.desired_state != "deleted")
+                .values(desired_state="deleted", request_id=request_id, updated_at=sa.func.now())
+                .returning(*t.sandboxes.c)
+            )).mappings().all()  # fmt: skip
+            for row in rows:
+                await event(c, row, "requested", row["state"], "deleted", "its tenant was deleted")
+                await notify(c, row["id"])
+            await c.execute(
+                t.volumes.update().where(v.tenant_id == tenant_id, v.state == "available")
+                .values(state=sa.case((v.worker_id.is_(None), "deleted"), else_="deleting"))
+            )  # fmt: skip
+        return held
 
     async def tenant_named(self, name: str) -> Tenant | None:
         async with self.engine.connect() as c:
@@ -164,3 +242,24 @@ class TenantQueries(Queries):
                     .where(t.api_keys.c.id == key_id, t.api_keys.c.revoked_at.is_(None))
                 )
             ).first()
+
+
+async def _holdings(c: AsyncConnection, tenant_id: str) -> TenantDeletion:
+    s, v, k = t.sandboxes.c, t.volumes.c, t.api_keys.c
+
+    async def count(table: sa.Table, *where: Any) -> int:
+        return int(await c.scalar(sa.select(sa.func.count()).select_from(table).where(*where)) or 0)
+
+    sandboxes = await c.execute(
+        sa.select(s.id).where(s.tenant_id == tenant_id, s.state != "deleted").order_by(s.id)
+    )
+    volumes = await c.execute(
+        sa.select(v.id).where(v.tenant_id == tenant_id, v.state == "available").order_by(v.id)
+    )
+    return TenantDeletion(
+        sandboxes=list(sandboxes.scalars()),
+        volumes=list(volumes.scalars()),
+        keys=await count(t.api_keys, k.tenant_id == tenant_id, k.revoked_at.is_(None)),
+        secrets=await count(t.secrets, t.secrets.c.tenant_id == tenant_id),
+        webhooks=await count(t.webhooks, t.webhooks.c.tenant_id == tenant_id),
+    )

@@ -74,7 +74,15 @@ class VolumeQueries(Queries):
             return (await c.execute(q.returning(*t.volumes.c))).mappings().one()
 
     async def volumes_to_delete(self) -> list[Row]:
-        q = sa.select(t.volumes).where(t.volumes.c.state == "deleting")
+        """Volumes asked to be deleted that no sandbox has any more (a deleted tenant's wait
+        for their sandboxes' deletion)."""
+        s = t.sandboxes.c
+        attached = sa.exists().where(
+            s.volumes.contains(sa.func.jsonb_build_array(
+                sa.func.jsonb_build_object("volume", t.volumes.c.id))),
+            s.state != "deleted",
+        )  # fmt: skip
+        q = sa.select(t.volumes).where(t.volumes.c.state == "deleting", ~attached)
         async with self.engine.connect() as c:
             return list((await c.execute(q)).mappings())
 
