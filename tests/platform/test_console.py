@@ -18,7 +18,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from ..stack import Platform
-from .helpers import fetch
+from .helpers import fetch, run
 
 CHROMIUM = Path("/usr/bin/chromium")
 # As root, and with nothing reaching out of this machine.
@@ -121,10 +121,18 @@ def test_sign_in_create_terminal_files_and_delete_in_a_browser(
     page.wait_for_selector(".meters")
     shot(page, tmp_path, "sandboxes")
 
-    # Create one.
+    # Create one: its environment, a volume, a secret and its egress set in the dialog.
+    vol = api.post("/v1/volumes", json={"name": "console-data", "size_mib": 16}).json()["id"]
     page.click("text=New sandbox")
     page.fill("textarea[name=metadata]", "suite=console")
+    page.fill("textarea[name=env]", "MODE=browser")
+    page.select_option("select[name=egress]", "hosts")
     page.fill("textarea[name=hosts]", "allowed.test")
+    page.fill(f"input[name=mount-path-{vol}]", "/data")
+    page.check("input[name=secret-console-demo]")
+    page.fill("input[name=secret-hosts-console-demo]", "secret.test")
+    page.fill("input[name=secret-env-console-demo]", "DEMO")
+    shot(page, tmp_path, "create-dialog")
     page.click("button:has-text('Create sandbox')")
     page.wait_for_url(re.compile(r".*#/sandboxes/sb-[0-9a-f]+$"))
     sid = page.url.rsplit("/", 1)[1]
@@ -134,6 +142,14 @@ def test_sign_in_create_terminal_files_and_delete_in_a_browser(
     shot(page, tmp_path, "sandbox")
     sb = api.get(f"/v1/sandboxes/{sid}").json()
     assert sb["state"] == "running" and sb["metadata"] == {"suite": "console"}
+    assert [h["pattern"] for h in sb["network"]["hosts"]] == ["allowed.test"]
+    assert sb["volumes"] == [{"volume": vol, "path": "/data", "read_only": False}]
+    assert [(b["secret"], b["hosts"], b["env"]) for b in sb["secrets"]] == [
+        ("console-demo", ["secret.test"], "DEMO")]  # fmt: skip
+    out, err, code = run(api, sid, "echo $MODE; grep -c ' /data ' /proc/mounts; echo $DEMO")
+    mode, mounted, placeholder = out.decode().split()
+    assert (code, mode, mounted) == (0, "browser", "1"), err
+    assert placeholder.startswith("space-secret-")  # the value itself never enters the guest
 
     # The terminal: a command typed on the page, its output read from the page.
     page.click("role=tab[name=Terminal]")
@@ -213,7 +229,48 @@ def test_sign_in_create_terminal_files_and_delete_in_a_browser(
     assert page.evaluate("Object.keys(localStorage)") == []
     context.close()
     api.delete("/v1/secrets/console-demo")
+    assert api.delete(f"/v1/volumes/{vol}").status_code == 200
     api.close()
+
+
+def test_sandboxes_paused_and_deleted_together_from_the_list(
+    platform: Platform, browser: Browser, tmp_path: Path
+) -> None:
+    """Several sandboxes chosen in the list (those a metadata search found) are paused, then
+    deleted after a confirmation naming them, with one action each."""
+    tag = secrets.token_hex(4)
+    with platform.client(platform.key_b) as b:
+        made = [b.post("/v1/sandboxes", json={"metadata": {"batch": tag}}).json()["id"]
+                for _ in range(2)]  # fmt: skip
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    context.add_init_script(VIOLATIONS)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(WAIT_MS)
+    page.goto(f"{platform.api_url}/console/")
+    sign_in(page, platform.key_b)
+    page.fill("input[name=metadata-filter]", f"batch={tag}")
+    expect(page.locator("#sandbox-table tbody tr")).to_have_count(2)
+    page.check("input[name=select-all]")
+    expect(page.locator(".bulk")).to_contain_text("2 selected")
+    page.click(".bulk button:has-text('Pause')")
+    expect(page.locator("#bulk-outcome")).to_contain_text("Pause: 2 asked")
+    for sid in made:
+        expect(page.locator(f"#sandbox-table tr[data-id='{sid}'] .badge")).to_have_text("paused")
+    shot(page, tmp_path, "bulk-paused")
+    page.click(".bulk button:has-text('Pause')")  # none is running now: nothing to ask
+    expect(page.locator("#bulk-outcome")).to_contain_text("2 not in a state for it")
+    page.click(".bulk button.danger")
+    expect(page.locator(".dialog")).to_contain_text(made[0])
+    page.click(".dialog button.danger")
+    expect(page.locator("main")).to_contain_text("No sandbox matches")  # deleted: left out
+    with platform.client(platform.key_b) as b:
+        for sid in made:
+            assert b.get(f"/v1/sandboxes/{sid}").json()["desired_state"] == "deleted"
+    assert page.evaluate("window.__violations") == [], "the page broke its CSP"
+    assert errors == []
+    context.close()
 
 
 def test_an_admin_key_builds_a_template_and_follows_its_log_in_a_browser(

@@ -1,7 +1,7 @@
 // Every sandbox of the tenant, live, with filters; and a new one.
 import { useState } from "preact/hooks";
 import { get, json } from "../api.js";
-import { Dialog, Empty, ErrorBox, Field, PageHeader, Spinner, StateBadge, ago, link, mib, pairs, usePoll } from "../ui.jsx";
+import { Confirm, Dialog, Empty, ErrorBox, Field, PageHeader, Spinner, StateBadge, ago, link, mib, pairs, usePoll } from "../ui.jsx";
 
 const STATES = ["running", "paused", "suspended", "pending", "starting", "error", "deleted"];
 const REFRESH_MS = 3000;
@@ -34,9 +34,51 @@ function Usage() {
   );
 }
 
+// The volumes to mount and the secrets to bind, a row each: checked to use it.
+function Mounts({ volumes, mounts, setMounts }) {
+  if (!volumes.length) return <p class="muted small">No volumes yet (Volumes makes one).</p>;
+  return volumes.map((v) => {
+    const m = mounts[v.id];
+    const put = (change) => setMounts({ ...mounts, [v.id]: { ...(m || { path: `/mnt/${v.name || v.id}`, read_only: false, on: false }), ...change } });
+    return (
+      <div class="pick" key={v.id} data-volume={v.id}>
+        <label class="check">
+          <input type="checkbox" name={`mount-${v.id}`} checked={!!m?.on} onChange={(e) => put({ on: e.target.checked })} /> {v.name || v.id}
+        </label>
+        <input name={`mount-path-${v.id}`} aria-label="Mount path" value={m?.path ?? `/mnt/${v.name || v.id}`} onInput={(e) => put({ path: e.target.value, on: true })} />
+        <label class="check small">
+          <input type="checkbox" name={`mount-ro-${v.id}`} checked={!!m?.read_only} onChange={(e) => put({ read_only: e.target.checked })} /> read-only
+        </label>
+      </div>
+    );
+  });
+}
+
+function Bindings({ secrets, bound, setBound }) {
+  if (!secrets.length) return <p class="muted small">No secrets yet (Secrets makes one).</p>;
+  return secrets.map((x) => {
+    const b = bound[x.name];
+    const fallback = { hosts: "", env: x.name.toUpperCase().replace(/[^A-Z0-9_]/g, "_"), on: false };
+    const put = (change) => setBound({ ...bound, [x.name]: { ...(b || fallback), ...change } });
+    return (
+      <div class="pick" key={x.name} data-secret={x.name}>
+        <label class="check">
+          <input type="checkbox" name={`secret-${x.name}`} checked={!!b?.on} onChange={(e) => put({ on: e.target.checked })} /> {x.name}
+        </label>
+        <input name={`secret-hosts-${x.name}`} aria-label="Hosts it is for" placeholder="for hosts: api.example.com" value={b?.hosts ?? ""} onInput={(e) => put({ hosts: e.target.value, on: true })} />
+        <input name={`secret-env-${x.name}`} aria-label="Variable" placeholder="VARIABLE" value={b?.env ?? fallback.env} onInput={(e) => put({ env: e.target.value })} />
+      </div>
+    );
+  });
+}
+
 function CreateDialog({ onClose, onCreated }) {
   const templates = usePoll(() => get("/v1/templates"), 0);
-  const [form, setForm] = useState({ template: "base", vcpus: 1, memory_mib: 256, disk_mib: 1024, timeout_s: 300, timeout_action: "pause", metadata: "", hosts: "" });
+  const volumes = usePoll(() => get("/v1/volumes"), 0);
+  const secrets = usePoll(() => get("/v1/secrets"), 0);
+  const [mounts, setMounts] = useState({});
+  const [bound, setBound] = useState({});
+  const [form, setForm] = useState({ template: "base", vcpus: 1, memory_mib: 256, disk_mib: 1024, timeout_s: 300, timeout_action: "pause", metadata: "", env: "", egress: "default", hosts: "" });
   const [busy, setBusy] = useState(false);
   const [error, setError] = useState(null);
   const set = (k) => (e) => setForm({ ...form, [k]: e.target.value });
@@ -53,9 +95,18 @@ function CreateDialog({ onClose, onCreated }) {
         timeout_s: Number(form.timeout_s),
         timeout_action: form.timeout_action,
         metadata: pairs(form.metadata),
+        env: pairs(form.env),
+        volumes: Object.entries(mounts)
+          .filter(([, m]) => m.on)
+          .map(([volume, m]) => ({ volume, path: m.path, read_only: m.read_only })),
+        secrets: Object.entries(bound)
+          .filter(([, b]) => b.on)
+          .map(([secret, b]) => ({ secret, hosts: b.hosts.split(/[\s,]+/).filter(Boolean), env: b.env })),
       };
       const hosts = form.hosts.split(/[\s,]+/).filter(Boolean);
-      if (hosts.length) body.network = { hosts: hosts.map((pattern) => ({ pattern })) };
+      // The deployment's default policy, only the hosts named (and those of bound secrets), or nothing out at all.
+      if (form.egress === "hosts") body.network = { hosts: hosts.map((pattern) => ({ pattern })) };
+      if (form.egress === "none") body.network = { hosts: [] };
       const sb = await json("POST", "/v1/sandboxes", { body });
       onCreated(sb);
     } catch (err) {
@@ -111,12 +162,90 @@ function CreateDialog({ onClose, onCreated }) {
         <Field label="Metadata" hint="key=value, one per line or comma-separated">
           <textarea name="metadata" rows="2" value={form.metadata} onInput={set("metadata")} placeholder="team=search" />
         </Field>
-        <Field label="Allowed hosts" hint="egress is denied unless a host is named here">
-          <textarea name="hosts" rows="2" value={form.hosts} onInput={set("hosts")} placeholder="pypi.org *.pythonhosted.org" />
+        <Field label="Environment" hint="KEY=value, one per line or comma-separated">
+          <textarea name="env" rows="2" value={form.env} onInput={set("env")} placeholder="MODE=test" />
         </Field>
+        <Field label="Egress" hint="what the sandbox may reach through its gateway">
+          <select name="egress" value={form.egress} onChange={set("egress")}>
+            <option value="default">the deployment's default</option>
+            <option value="hosts">only the hosts named</option>
+            <option value="none">nothing</option>
+          </select>
+        </Field>
+        {form.egress === "hosts" && (
+          <Field label="Allowed hosts" hint="names or *.names; everything else is refused">
+            <textarea name="hosts" rows="2" value={form.hosts} onInput={set("hosts")} placeholder="pypi.org *.pythonhosted.org" />
+          </Field>
+        )}
+        <fieldset class="wide">
+          <legend>Volumes</legend>
+          <Mounts volumes={(volumes.data?.items || []).filter((v) => v.state === "available")} mounts={mounts} setMounts={setMounts} />
+        </fieldset>
+        <fieldset class="wide">
+          <legend>Secrets</legend>
+          <p class="muted small">The guest sees a placeholder in the variable; the gateway puts the value in requests to the hosts named.</p>
+          <Bindings secrets={secrets.data?.items || []} bound={bound} setBound={setBound} />
+        </fieldset>
       </form>
       <ErrorBox error={error} title="Not created" />
     </Dialog>
+  );
+}
+
+const ACTIONS = {
+  pause: { label: "Pause", from: ["running"] },
+  resume: { label: "Resume", from: ["paused", "suspended"] },
+  suspend: { label: "Suspend", from: ["running", "paused"] },
+  delete: { label: "Delete", from: null },
+};
+
+// Asks each sandbox at once (without waiting for the change to finish); what each answered.
+async function act(verb, ids) {
+  const asked = ids.map((id) =>
+    verb === "delete"
+      ? json("DELETE", `/v1/sandboxes/${id}`, { query: { wait: "false" } })
+      : json("POST", `/v1/sandboxes/${id}/${verb}`, { query: { wait: "false" } }),
+  );
+  const results = await Promise.allSettled(asked);
+  return results.map((r, i) => ({ id: ids[i], error: r.status === "rejected" ? r.reason.message : null }));
+}
+
+function Selection({ selected, items, onDone }) {
+  const [confirming, setConfirming] = useState(false);
+  const [busy, setBusy] = useState(false);
+  const [outcome, setOutcome] = useState(null);
+  const chosen = items.filter((sb) => selected.has(sb.id));
+  const run = async (verb) => {
+    setBusy(true);
+    const ids = chosen.filter((sb) => !ACTIONS[verb].from || ACTIONS[verb].from.includes(sb.state)).map((sb) => sb.id);
+    const done = await act(verb, ids);
+    const failed = done.filter((d) => d.error);
+    setOutcome({ verb, asked: done.length, skipped: chosen.length - ids.length, failed });
+    setBusy(false);
+    setConfirming(false);
+    onDone();
+  };
+  return (
+    <div class="bulk" role="toolbar" aria-label="Selected sandboxes">
+      <strong>{chosen.length} selected</strong>
+      {Object.entries(ACTIONS).map(([verb, a]) => (
+        <button key={verb} class={verb === "delete" ? "danger small" : "ghost small"} disabled={busy || !chosen.length} onClick={() => (verb === "delete" ? setConfirming(true) : run(verb))}>
+          {a.label}
+        </button>
+      ))}
+      {busy && <Spinner label="Asking" />}
+      {outcome && (
+        <span class="muted small" id="bulk-outcome">
+          {ACTIONS[outcome.verb].label}: {outcome.asked - outcome.failed.length} asked{outcome.skipped ? `, ${outcome.skipped} not in a state for it` : ""}
+          {outcome.failed.length ? `, ${outcome.failed.length} refused (${outcome.failed.map((f) => `${f.id}: ${f.error}`).join("; ")})` : ""}
+        </span>
+      )}
+      {confirming && (
+        <Confirm title={`Delete ${chosen.length} sandbox(es)?`} action="Delete" danger onClose={() => setConfirming(false)} onConfirm={() => run("delete")}>
+          <p>Each is stopped, and its disk, snapshots and checkpoints removed: {chosen.map((sb) => sb.id).join(", ")}.</p>
+        </Confirm>
+      )}
+    </div>
   );
 }
 
@@ -128,6 +257,7 @@ export function Sandboxes() {
   const [showDeleted, setShowDeleted] = useState(false);
   const [creating, setCreating] = useState(false);
   const [pages, setPages] = useState(1);
+  const [selected, setSelected] = useState(new Set());
   let filterError = null;
   // Deleted sandboxes are history: left out unless asked for.
   const query = { state, template, limit: 50 * pages, deleted: String(showDeleted || state === "deleted") };
@@ -141,6 +271,13 @@ export function Sandboxes() {
   const templates = usePoll(() => get("/v1/templates"), 0);
   const items = list.data?.items || [];
   const filtered = state || template || metadata || id;
+  const live = items.filter((sb) => sb.state !== "deleted");
+  const toggle = (sid, on) => {
+    const next = new Set(selected);
+    if (on) next.add(sid);
+    else next.delete(sid);
+    setSelected(next);
+  };
   return (
     <section>
       <PageHeader title="Sandboxes" subtitle="MicroVMs of your tenant. The list refreshes by itself.">
@@ -173,6 +310,7 @@ export function Sandboxes() {
           <input type="checkbox" name="show-deleted" checked={showDeleted} onChange={(e) => setShowDeleted(e.target.checked)} /> deleted
         </label>
       </div>
+      {selected.size > 0 && <Selection selected={selected} items={items} onDone={() => list.reload()} />}
       {filterError && <ErrorBox error={filterError} title="Filter not understood" />}
       <ErrorBox error={list.error} title="Sandboxes not loaded" />
       {list.loading && !list.data ? (
@@ -199,6 +337,9 @@ export function Sandboxes() {
           <table class="table" id="sandbox-table">
             <thead>
               <tr>
+                <th class="pick-col">
+                  <input type="checkbox" name="select-all" aria-label="Select every sandbox shown" checked={live.length > 0 && live.every((sb) => selected.has(sb.id))} onChange={(e) => setSelected(new Set(e.target.checked ? live.map((sb) => sb.id) : []))} />
+                </th>
                 <th>Sandbox</th>
                 <th>State</th>
                 <th>Template</th>
@@ -211,6 +352,9 @@ export function Sandboxes() {
             <tbody>
               {items.map((sb) => (
                 <tr key={sb.id} class={sb.state === "deleted" ? "dim" : ""} data-id={sb.id}>
+                  <td class="pick-col">
+                    {sb.state !== "deleted" && <input type="checkbox" name="select" aria-label={`Select ${sb.id}`} checked={selected.has(sb.id)} onChange={(e) => toggle(sb.id, e.target.checked)} />}
+                  </td>
                   <td>
                     <a class="mono" href={link(`/sandboxes/${sb.id}`)}>
                       {sb.id}
