@@ -188,6 +188,17 @@ def test_sign_in_create_terminal_files_and_delete_in_a_browser(
     expect(page.locator("#audit .decision-deny").first).to_be_visible()
     shot(page, tmp_path, "egress")
 
+    # A background process started from the page: its output pushed as it comes.
+    page.click("role=tab[name=Processes]")
+    page.fill("input[name=process-cmd]", "for i in 1 2 3 4; do echo line$i; sleep 1; done")
+    page.click("form.toolbar button[type=submit]")
+    expect(page.locator("#process-output")).to_contain_text("line1")
+    assert "line4" not in page.locator("#process-output").inner_text()  # not waited for
+    expect(page.locator("#process-status")).to_have_text("ended: 0")
+    expect(page.locator("#process-output")).to_contain_text("line4")
+    expect(page.locator("#processes tbody tr").first).to_contain_text("exited 0")
+    shot(page, tmp_path, "processes")
+
     # Every other page, as a tenant's key sees it.
     for path, marker in (("templates", "#templates"), ("pools", "#pools"),
                          ("volumes", "section"), ("secrets", "#secrets")):  # fmt: skip
@@ -560,7 +571,8 @@ def test_every_page_fits_a_phones_screen(
         shot(page, tmp_path, "phone-" + path.replace("/", "-"))
     page.goto(f"{platform.api_url}/console/#/sandboxes/{sid}")
     for tab, marker in (("Terminal", "#terminal-status"), ("Files", "#files"),
-                        ("Events", "#events"), ("Egress", "#audit, .empty")):  # fmt: skip
+                        ("Processes", "#processes, .empty"), ("Events", "#events"),
+                        ("Egress", "#audit, .empty")):  # fmt: skip
         page.click(f"role=tab[name={tab}]")
         page.wait_for_selector(marker)
         expect(loaded).to_have_count(0)

@@ -1,15 +1,17 @@
-// One sandbox: its figures, details and actions, and tabs for its terminal, files, events and
-// egress audit log.
+// One sandbox: its figures, details and actions, and tabs for its terminal, files, processes,
+// events and egress audit log.
 import { useEffect, useRef, useState } from "preact/hooks";
 import { get, json, sandboxPath } from "../api.js";
 import { Confirm, Empty, ErrorBox, PageHeader, Sparkline, Spinner, StateBadge, ago, bytes, link, mib, usePoll, when } from "../ui.jsx";
 import { Files } from "./files.jsx";
+import { Processes } from "./processes.jsx";
 import { Terminal } from "./terminal.jsx";
 
 const TABS = [
   ["overview", "Overview"],
   ["terminal", "Terminal"],
   ["files", "Files"],
+  ["processes", "Processes"],
   ["events", "Events"],
   ["egress", "Egress"],
 ];
@@ -274,6 +276,7 @@ export function Sandbox({ id, tab }) {
       )}
       {tab === "terminal" && (sb.state === "running" ? <Terminal id={id} /> : <div class="card pad muted">The terminal opens while the sandbox runs; it is {sb.state}.</div>)}
       {tab === "files" && (sb.state === "running" ? <Files id={id} /> : <div class="card pad muted">Files can be browsed while the sandbox runs; it is {sb.state}.</div>)}
+      {tab === "processes" && (sb.state === "running" ? <Processes id={id} /> : <div class="card pad muted">Processes are shown while the sandbox runs; it is {sb.state}.</div>)}
       {tab === "events" && <Events id={id} />}
       {tab === "egress" && <Egress id={id} />}
       {deleting && (
