@@ -199,6 +199,13 @@ def test_sign_in_create_terminal_files_and_delete_in_a_browser(
     expect(page.locator("#processes tbody tr").first).to_contain_text("exited 0")
     shot(page, tmp_path, "processes")
 
+    # Its serial console, followed: a line the guest writes there now arrives while we watch.
+    page.click("role=tab[name=Logs]")
+    expect(page.locator("#logs-status")).to_contain_text("Following")
+    assert run(api, sid, "echo console-line-$((6*7)) > /dev/console")[2] == 0
+    expect(page.locator("#logs")).to_contain_text("console-line-42")
+    shot(page, tmp_path, "logs")
+
     # Every other page, as a tenant's key sees it.
     for path, marker in (("templates", "#templates"), ("pools", "#pools"),
                          ("volumes", "section"), ("secrets", "#secrets")):  # fmt: skip
@@ -571,7 +578,8 @@ def test_every_page_fits_a_phones_screen(
         shot(page, tmp_path, "phone-" + path.replace("/", "-"))
     page.goto(f"{platform.api_url}/console/#/sandboxes/{sid}")
     for tab, marker in (("Terminal", "#terminal-status"), ("Files", "#files"),
-                        ("Processes", "#processes, .empty"), ("Events", "#events"),
+                        ("Processes", "#processes, .empty"), ("Logs", "#logs"),
+                        ("Events", "#events"),
                         ("Egress", "#audit, .empty")):  # fmt: skip
         page.click(f"role=tab[name={tab}]")
         page.wait_for_selector(marker)

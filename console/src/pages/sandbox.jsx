@@ -1,9 +1,10 @@
 // One sandbox: its figures, details and actions, and tabs for its terminal, files, processes,
-// events and egress audit log.
+// console log, events and egress audit log.
 import { useEffect, useRef, useState } from "preact/hooks";
 import { get, json, sandboxPath } from "../api.js";
 import { Confirm, Empty, ErrorBox, PageHeader, Sparkline, Spinner, StateBadge, ago, bytes, link, mib, usePoll, when } from "../ui.jsx";
 import { Files } from "./files.jsx";
+import { Logs } from "./logs.jsx";
 import { Processes } from "./processes.jsx";
 import { Terminal } from "./terminal.jsx";
 
@@ -12,6 +13,7 @@ const TABS = [
   ["terminal", "Terminal"],
   ["files", "Files"],
   ["processes", "Processes"],
+  ["logs", "Logs"],
   ["events", "Events"],
   ["egress", "Egress"],
 ];
@@ -277,6 +279,7 @@ export function Sandbox({ id, tab }) {
       {tab === "terminal" && (sb.state === "running" ? <Terminal id={id} /> : <div class="card pad muted">The terminal opens while the sandbox runs; it is {sb.state}.</div>)}
       {tab === "files" && (sb.state === "running" ? <Files id={id} /> : <div class="card pad muted">Files can be browsed while the sandbox runs; it is {sb.state}.</div>)}
       {tab === "processes" && (sb.state === "running" ? <Processes id={id} /> : <div class="card pad muted">Processes are shown while the sandbox runs; it is {sb.state}.</div>)}
+      {tab === "logs" && (["running", "paused"].includes(sb.state) ? <Logs id={id} /> : <div class="card pad muted">A sandbox has a console while its VM lives; it is {sb.state}.</div>)}
       {tab === "events" && <Events id={id} />}
       {tab === "egress" && <Egress id={id} />}
       {deleting && (

@@ -211,6 +211,25 @@ async def watch_files(
     return await relay(svc.workers.watch(worker, sandbox_id, path, recursive), NDJSON)
 
 
+@router.get("/logs", response_class=StreamingResponse)
+async def read_logs(
+    sandbox_id: str,
+    svc: Svc,
+    caller: Caller,
+    tail: Annotated[int, Query(ge=0, le=1 << 20, description="bytes of its past")] = 65536,
+    follow: Annotated[bool, Query(description="then what comes, as it comes")] = False,
+) -> StreamingResponse:
+    """Its serial console (text): the guest kernel's and its agent's messages, and whatever the
+    guest writes to /dev/console; read on its worker, so paused sandboxes have theirs too.
+    Following ends when its VM stops (a suspend, a delete) or the caller leaves."""
+    row = await svc.store.get_sandbox(sandbox_id, caller.id)
+    if row["state"] not in ("running", "paused"):
+        raise APIError(409, f"sandbox {sandbox_id} is {row['state']}: only a live VM has a "
+                       "console", state=row["state"])  # fmt: skip
+    worker = await svc.worker_of(row)
+    return await relay(svc.workers.console(worker, sandbox_id, tail, follow), "text/plain")
+
+
 @router.post("/files/mkdir", response_model=FileEntry)
 async def make_dir(
     sandbox_id: str, path: AbsPath, svc: Svc, caller: Caller, parents: bool = False

@@ -353,6 +353,20 @@ def audit(space: Space, sandbox_id: str, after: int, as_json: bool) -> None:
                 empty="no egress yet")  # fmt: skip
 
 
+@sandbox.command()
+@click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
+@click.option("--tail", type=click.IntRange(0, 1 << 20), default=65536, show_default=True,
+              help="Bytes of its past.")  # fmt: skip
+@click.option("-f", "--follow", is_flag=True, help="Then what comes, until it stops (or Ctrl-C).")
+@_api_command
+def logs(space: Space, sandbox_id: str, tail: int, follow: bool) -> None:
+    """A sandbox's serial console: its kernel's and agent's messages, /dev/console."""
+    from space.client import Sandbox
+
+    for text in Sandbox.get(sandbox_id, client=space).logs(tail, follow):
+        click.echo(text, nl=False)
+
+
 def _change(space: Space, sandbox_id: str, action: Literal["pause", "resume", "suspend"]) -> None:
     from space.client import Sandbox
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import codecs
 import contextlib
 from collections.abc import (
     AsyncGenerator,
@@ -438,6 +439,15 @@ class AsyncSandbox(SandboxBase[AsyncSpace]):
         """A new egress policy (`{"default": "deny", "hosts": [{"pattern": "pypi.org"}]}`; None:
         the deployment's default), in force at once."""
         return await self._update(calls.set_network(self.id, network))
+
+    async def logs(self, tail: int = 65536, follow: bool = False) -> AsyncIterator[str]:
+        """Its serial console, as text: the last `tail` bytes of the guest kernel's and its
+        agent's messages (and whatever the guest writes to /dev/console), then, with `follow`,
+        what comes until its VM stops or you stop reading."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        async for chunk in self._client._stream(calls.logs(self.id, tail, follow)):
+            if text := decoder.decode(chunk):
+                yield text
 
     async def audit(self, after: int = 0) -> builtins.list[AuditEvent]:
         """Its gateway's decisions on its egress, oldest first, those numbered after `after`."""

@@ -666,6 +666,11 @@ def from_the_service(response: httpx.Response) -> bool:
 # Files
 
 
+def logs(sandbox_id: str, tail: int, follow: bool) -> Call[None]:
+    params = [("tail", str(tail)), ("follow", str(follow).lower())]
+    return Call("GET", _sandbox(sandbox_id, "/logs"), _nothing, params=params, unbounded=True)
+
+
 def read_file(sandbox_id: str, path: str) -> Call[bytes]:
     return Call(
         "GET",

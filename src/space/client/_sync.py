@@ -4,6 +4,7 @@ httpx.Client. Requests and answers come from `_calls`; this module only sends th
 from __future__ import annotations
 
 import builtins
+import codecs
 import contextlib
 import functools
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
@@ -401,6 +402,15 @@ class Sandbox(SandboxBase[Space]):
         """A new egress policy (`{"default": "deny", "hosts": [{"pattern": "pypi.org"}]}`; None:
         the deployment's default), in force at once."""
         return self._update(calls.set_network(self.id, network))
+
+    def logs(self, tail: int = 65536, follow: bool = False) -> Iterator[str]:
+        """Its serial console, as text: the last `tail` bytes of the guest kernel's and its
+        agent's messages (and whatever the guest writes to /dev/console), then, with `follow`,
+        what comes until its VM stops or you stop reading."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for chunk in self._client._stream(calls.logs(self.id, tail, follow)):
+            if text := decoder.decode(chunk):
+                yield text
 
     def audit(self, after: int = 0) -> builtins.list[AuditEvent]:
         """Its gateway's decisions on its egress, oldest first, those numbered after `after`."""

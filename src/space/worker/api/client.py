@@ -487,6 +487,13 @@ class WorkerClient:
         assert got is not None
         return got
 
+    def console(
+        self, w: Worker, vm_id: str, tail: int, follow: bool
+    ) -> AbstractAsyncContextManager[httpx.Response]:
+        """The VM's serial console: its last `tail` bytes, then what comes if `follow`."""
+        params = {"tail": tail, "follow": str(follow).lower()}
+        return self._stream("GET", w, w.vm(vm_id, "console"), params=params)
+
     def process_output(
         self, w: Worker, vm_id: str, ref: str, replay: bool
     ) -> AbstractAsyncContextManager[httpx.Response]:

@@ -44,7 +44,7 @@ from space.worker.agent_client import (
     AgentClient,
     AgentError,
 )
-from space.worker.api import checkpoints, files, processes, templates
+from space.worker.api import checkpoints, console, files, processes, templates
 from space.worker.api import exec as exec_
 from space.worker.api.activity import Activity, ActivityMiddleware
 from space.worker.api.bodies import Problem, read_body
@@ -448,6 +448,7 @@ def make_app(
         Route(f"{vm}/adopt", api.adopt, methods=["POST"]),
         *exec_.routes(api),
         *files.routes(api),
+        *console.routes(api),
         *processes.routes(api),
         *templates.routes(api),
         *checkpoints.routes(api),
