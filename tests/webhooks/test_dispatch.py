@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -236,3 +237,40 @@ async def test_a_delivery_is_given_up_after_a_day(
     (delivery,) = await store.deliveries(tenant.id, hook.id, 10)
     assert delivery.state == "failed"
     assert [a.status for a in delivery.attempts] == [503]
+
+
+async def test_the_end_of_a_build_is_sent_to_the_tenant_that_asked_for_it(
+    store: Store, sealer: Sealer, hooks: Webhooks, receiver: Receiver
+) -> None:
+    asker = await store.create_tenant("wh-builder")
+    bystander = await store.create_tenant("wh-bystander")
+    mine, _ = await endpoint(store, sealer, asker.id, f"{receiver.url}/ok?builds",
+                             ["template.build_finished"])  # fmt: skip
+    theirs, _ = await endpoint(store, sealer, bystander.id, f"{receiver.url}/ok?theirs")
+    await store.register_worker("wk-builds", "http://wk.invalid", "i", 4, 4096)
+    name = f"wh-tpl-{secrets.token_hex(3)}"
+    await store.request_build(name, "r1", "steps = []", b"", None, tenant_id=asker.id)
+    assert await store.begin_build(name, "r1", "wk-builds", "b1") is not None
+    await store.finish_build(name, "b1", {"digest": "sha256:x"}, None)
+    await store.request_build(name, "r2", "steps = []", b"", None, tenant_id=asker.id)
+    await store.fail_queued_build(name, "r2", "no worker has room")
+    await store.request_build(name, "r3", "steps = []", b"", None)  # nobody's: nobody is told
+    await store.fail_queued_build(name, "r3", "refused")
+
+    async def both_sent() -> bool:
+        await hooks.once()
+        found = await store.deliveries(asker.id, mine.id, 10)
+        return len(found) == 2 and all(d.state == "delivered" for d in found)
+
+    await until(both_sent)
+
+    got = [json.loads(r["body"]) for r in receiver.requests("/ok?builds")]
+    assert [(b["type"], b["template"], b["state"], b["error"]) for b in got] == [
+        ("template.build_finished", name, "ready", None),
+        ("template.build_finished", name, "failed", "no worker has room"),
+    ]  # fmt: skip
+    assert all(b["tenant_id"] == asker.id and "sandbox_id" not in b for b in got)
+    assert receiver.requests("/ok?theirs") == []
+    assert await store.deliveries(bystander.id, theirs.id, 10) == []
+    # Not a sandbox's event: no sandbox of that name has it.
+    assert await store.events(asker.id, name) == []

@@ -96,7 +96,7 @@ async def build(template_id: str, body: BuildRequest, svc: Svc, caller: Caller) 
         sealed = svc.sealer.seal(json.dumps(body.environ).encode(), build_context(template_id))
     checkpoint = await _checkpoint(svc, caller, body.checkpoint) if body.checkpoint else None
     await svc.store.request_build(template_id, secrets.token_hex(8), body.spec, context, sealed,
-                                  checkpoint)  # fmt: skip
+                                  checkpoint, tenant_id=caller.id)  # fmt: skip
     row = await svc.wait_for_template(template_id, lambda r: r["state"] != "queued", START_WAIT_S)
     if row["state"] in ("ready", "failed") and row["error"]:
         # Its worker refused to start it (a bad spec or context): nothing was built.

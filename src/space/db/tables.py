@@ -51,6 +51,7 @@ templates = sa.Table(
     sa.Column("build_id", sa.Text),
     sa.Column("error", sa.Text),
     sa.Column("record", JSONB),  # the worker's template.json: digest, env, workdir, start, …
+    sa.Column("build_tenant_id", sa.Text),  # whose key asked for its latest build
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )
 
@@ -232,6 +233,7 @@ template_builds = sa.Table(
     # key: a checkpoint deleted before the build starts fails the build, it does not vanish it.
     sa.Column("checkpoint_id", sa.Text),
     sa.Column("requested_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("tenant_id", sa.Text),  # whose key asked (told when it ends)
 )
 
 # Sandboxes a worker holds that no row has ever named (db/store/strays.py).

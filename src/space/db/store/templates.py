@@ -6,6 +6,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from space.db import tables as t
 from space.db.store.base import NotFound, Queries, Refused, Row
@@ -57,6 +58,7 @@ class TemplateQueries(Queries):
     async def request_build(
         self, template_id: str, request_id: str, spec: str, context: bytes,
         environ: tuple[str, bytes] | None, checkpoint: Row | None = None,
+        tenant_id: str | None = None,
     ) -> Row:  # fmt: skip
         """Queue a build of a template (made by its first build); Refused while one is queued,
         under way or the template is being deleted. `environ` is (key id, sealed JSON). A
@@ -92,6 +94,7 @@ class TemplateQueries(Queries):
                     environ_key_id=environ[0] if environ else None,
                     environ_sealed=environ[1] if environ else None,
                     checkpoint_id=checkpoint["id"] if checkpoint is not None else None,
+                    tenant_id=tenant_id,
                 )
             )  # fmt: skip
             q = (
@@ -133,12 +136,14 @@ class TemplateQueries(Queries):
                   "error": None, "updated_at": sa.func.now()}  # fmt: skip
         async with self.engine.begin() as c:
             gone = await c.execute(
-                t.template_builds.delete().where(
-                    b.template_id == template_id, b.request_id == request_id
-                )
+                t.template_builds.delete()
+                .where(b.template_id == template_id, b.request_id == request_id)
+                .returning(b.tenant_id)
             )
-            if gone.rowcount != 1:
+            asked = gone.first()
+            if asked is None:
                 return None
+            values["build_tenant_id"] = asked.tenant_id
             q = (
                 t.templates.update()
                 .where(t.templates.c.id == template_id)
@@ -152,11 +157,12 @@ class TemplateQueries(Queries):
         b, tp = t.template_builds.c, t.templates.c
         async with self.engine.begin() as c:
             gone = await c.execute(
-                t.template_builds.delete().where(
-                    b.template_id == template_id, b.request_id == request_id
-                )
+                t.template_builds.delete()
+                .where(b.template_id == template_id, b.request_id == request_id)
+                .returning(b.tenant_id)
             )
-            if gone.rowcount == 1:
+            asked = gone.first()
+            if asked is not None:
                 # Back to ready if an earlier build is usable, else failed; with the reason.
                 state = sa.case((tp.record.is_not(None), "ready"), else_="failed")
                 await c.execute(
@@ -164,6 +170,7 @@ class TemplateQueries(Queries):
                     .where(tp.id == template_id)
                     .values(state=state, error=error, updated_at=sa.func.now())
                 )
+                await _announce(c, template_id, asked.tenant_id, "failed", error)
 
     async def finish_build(
         self, template_id: str, build_id: str, record: dict[str, Any] | None, error: str | None
@@ -186,8 +193,12 @@ class TemplateQueries(Queries):
                 t.templates.update()
                 .where(tp.id == template_id, tp.build_id == build_id, tp.state == "building")
                 .values(**values)
+                .returning(tp.build_tenant_id)
             )
-            if done.rowcount == 1 and shape[0] is not None:
+            ended = done.first()
+            if ended is not None:
+                await _announce(c, template_id, ended.build_tenant_id, values["state"], error)
+            if ended is not None and shape[0] is not None:
                 other = sa.tuple_(s.vcpus, s.memory_mib) != sa.tuple_(*shape)
                 await drop_members(c, [s.template == template_id, other], "it changed shape")
 
@@ -297,3 +308,22 @@ class TemplateQueries(Queries):
                 ],
                 "the pool changed shape",
             )
+
+
+BUILD_EVENT = "build"  # an events row of a template's build that ended (webhooks.events)
+
+
+def build_subject(template_id: str) -> str:
+    """What a build's events row names instead of a sandbox (no sandbox id has a slash)."""
+    return f"template/{template_id}"
+
+
+async def _announce(
+    c: AsyncConnection, template_id: str, tenant_id: str | None, state: str, error: str | None
+) -> None:
+    """The end of a build, as an event of the tenant whose key asked for it (if one did)."""
+    if tenant_id is not None:
+        await c.execute(t.events.insert().values(
+            sandbox_id=build_subject(template_id), tenant_id=tenant_id, type=BUILD_EVENT,
+            from_state="building", to_state=state, reason=error,
+        ))  # fmt: skip
