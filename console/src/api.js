@@ -88,6 +88,22 @@ export async function stream(path, onText, signal) {
   }
 }
 
+// An NDJSON stream (a process's output, a sandbox's events): each line parsed and handed over
+// as it comes, until the stream ends.
+export async function ndjson(path, onItem, signal) {
+  let pending = "";
+  await stream(
+    path,
+    (text) => {
+      pending += text;
+      const lines = pending.split("\n");
+      pending = lines.pop();
+      for (const line of lines) if (line) onItem(JSON.parse(line));
+    },
+    signal,
+  );
+}
+
 export async function download(path, name) {
   const resp = await call("GET", path);
   const url = URL.createObjectURL(await resp.blob());

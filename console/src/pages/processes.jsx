@@ -2,7 +2,7 @@
 // one started from the page, and the output of the one chosen, pushed by the API as it comes
 // (a stream of its events, not polling).
 import { useEffect, useRef, useState } from "preact/hooks";
-import { call, get, json, sandboxPath } from "../api.js";
+import { get, json, ndjson, sandboxPath } from "../api.js";
 import { Empty, ErrorBox, Spinner, ago, usePoll } from "../ui.jsx";
 
 const KEEP = 256 * 1024; // characters of output kept on the page
@@ -18,34 +18,22 @@ function useOutput(id, ref) {
     setText("");
     setEnded(null);
     setError(null);
-    (async () => {
-      try {
-        const resp = await call("GET", sandboxPath(id, `/processes/${encodeURIComponent(ref)}/output`), { signal: abort.signal });
-        const reader = resp.body.getReader();
-        const utf8 = new TextDecoder();
-        const out = new TextDecoder();
-        let pending = "";
-        for (;;) {
-          const { done, value } = await reader.read();
-          if (done) break;
-          pending += utf8.decode(value, { stream: true });
-          const lines = pending.split("\n");
-          pending = lines.pop();
-          for (const line of lines.filter(Boolean)) {
-            const e = JSON.parse(line);
-            if (e.type === "stdout" || e.type === "stderr") {
-              const bytes = Uint8Array.from(atob(e.data), (c) => c.charCodeAt(0));
-              const piece = out.decode(bytes, { stream: true });
-              setText((t) => (t + piece).slice(-KEEP));
-            } else if (e.type === "exit") {
-              setEnded(e.exit_code ?? `signal ${e.signal}`);
-            }
-          }
+    const out = new TextDecoder();
+    ndjson(
+      sandboxPath(id, `/processes/${encodeURIComponent(ref)}/output`),
+      (e) => {
+        if (e.type === "stdout" || e.type === "stderr") {
+          const bytes = Uint8Array.from(atob(e.data), (c) => c.charCodeAt(0));
+          const piece = out.decode(bytes, { stream: true });
+          setText((t) => (t + piece).slice(-KEEP));
+        } else if (e.type === "exit") {
+          setEnded(e.exit_code ?? `signal ${e.signal}`);
         }
-      } catch (e) {
-        if (e.name !== "AbortError") setError(e);
-      }
-    })();
+      },
+      abort.signal,
+    ).catch((e) => {
+      if (e.name !== "AbortError") setError(e);
+    });
     return () => abort.abort();
   }, [id, ref]);
   return { text, ended, error };

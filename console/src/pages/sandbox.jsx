@@ -1,7 +1,7 @@
 // One sandbox: its figures, details and actions, and tabs for its terminal, files, processes,
 // console log, events and egress audit log.
 import { useEffect, useRef, useState } from "preact/hooks";
-import { get, json, sandboxPath } from "../api.js";
+import { get, json, ndjson, sandboxPath } from "../api.js";
 import { Confirm, Empty, ErrorBox, PageHeader, Sparkline, Spinner, StateBadge, ago, bytes, link, mib, usePoll, when } from "../ui.jsx";
 import { Files } from "./files.jsx";
 import { Logs } from "./logs.jsx";
@@ -126,9 +126,39 @@ function Details({ sb }) {
   );
 }
 
+// Its events as the API pushes them (one long NDJSON answer), newest first; a dropped stream
+// is taken up again from the last one seen.
+function useEvents(id) {
+  const [items, setItems] = useState(null);
+  const [error, setError] = useState(null);
+  useEffect(() => {
+    const abort = new AbortController();
+    let last = 0;
+    setItems(null);
+    (async () => {
+      while (!abort.signal.aborted) {
+        try {
+          setItems((xs) => xs || []);
+          await ndjson(sandboxPath(id, `/events?follow=true&after=${last}`), (e) => {
+            last = e.id;
+            setItems((xs) => [e, ...(xs || [])]);
+          }, abort.signal);
+          return; // it ended: the sandbox was deleted
+        } catch (e) {
+          if (e.name === "AbortError") return;
+          setError(e);
+          await new Promise((r) => setTimeout(r, 3000));
+        }
+      }
+    })();
+    return () => abort.abort();
+  }, [id]);
+  return { data: items && { items }, error };
+}
+
 function Events({ id }) {
-  const { data, error } = usePoll(() => get(sandboxPath(id, "/events")), 5000, [id]);
-  if (error) return <ErrorBox error={error} title="Events not loaded" />;
+  const { data, error } = useEvents(id);
+  if (error && !data) return <ErrorBox error={error} title="Events not loaded" />;
   if (!data) return <Spinner label="Loading events" />;
   return (
     <div class="card">
@@ -143,7 +173,7 @@ function Events({ id }) {
           </tr>
         </thead>
         <tbody>
-          {[...data.items].reverse().map((e) => (
+          {data.items.map((e) => (
             <tr key={e.id}>
               <td class="muted" title={e.at}>
                 {when(e.at)}
@@ -185,7 +215,7 @@ function Egress({ id }) {
           </tr>
         </thead>
         <tbody>
-          {[...data.items].reverse().map((e) => (
+          {data.items.map((e) => (
             <tr key={e.seq}>
               <td class="muted">{e.time ? when(typeof e.time === "number" ? e.time * 1000 : e.time) : "—"}</td>
               <td>{e.kind}</td>

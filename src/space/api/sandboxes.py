@@ -5,19 +5,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
 from sqlalchemy.exc import IntegrityError
 
 from space import crashpoints, logs, tracing
-from space.api.deps import Caller, Svc
+from space.api.deps import Caller, Services, Svc
 from space.api.errors import APIError
 from space.api.metrics import CLAIMS, CREATE
 from space.api.schemas import (
@@ -36,7 +39,7 @@ from space.db.store import TRANSITIONAL, Conflict, NotFound, Refused, Row
 from space.netpolicy import gateway_policy, placeholder_env, policy_for, with_placeholders
 from space.quotas import over
 from space.worker.api.client import Worker, WorkerError
-from space.worker.api.models import ClaimVM
+from space.worker.api.models import NDJSON, ClaimVM
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
@@ -55,6 +58,7 @@ RoomWait = Annotated[
           "room before answering 503 (0: answer at once)"),
 ]  # fmt: skip
 ROOM_RECHECK_S = 0.5
+EVENTS_RECHECK_S = 15.0  # a follower looks again this often even if nothing was announced
 PLACE_GRACE_S = 5.0  # an admitted create may wait this long for placement to find its room
 
 
@@ -409,7 +413,39 @@ async def audit(sandbox_id: str, svc: Svc, caller: Caller, after: int = 0) -> Au
 
 
 @router.get("/{sandbox_id}/events", response_model=EventList)
-async def sandbox_events(sandbox_id: str, svc: Svc, caller: Caller) -> EventList:
+async def sandbox_events(
+    sandbox_id: str,
+    svc: Svc,
+    caller: Caller,
+    after: Annotated[int, Query(ge=0, description="only events numbered after this")] = 0,
+    follow: Annotated[bool, Query(description="NDJSON, one event a line, as they happen")] = False,
+) -> EventList | StreamingResponse:
+    """Its lifecycle events, oldest first. With `follow`, an NDJSON stream of them that goes on
+    as they happen (pushed as the database announces each change) until it is deleted or the
+    caller leaves; reconnect with `after` set to the last `id` seen."""
     await svc.store.get_sandbox(sandbox_id, caller.id)  # 404 for others' sandboxes
-    rows = await svc.store.events(caller.id, sandbox_id)
+    if follow:
+        return StreamingResponse(
+            _follow_events(svc, caller.id, sandbox_id, after), media_type=NDJSON
+        )
+    rows = await svc.store.events(caller.id, sandbox_id, after)
     return EventList(items=[Event.model_validate(dict(r)) for r in rows])
+
+
+async def _follow_events(
+    svc: Services, tenant_id: str, sandbox_id: str, after: int
+) -> AsyncIterator[str]:
+    changed = svc.listener.subscribe(sandbox_id)
+    try:
+        while True:
+            changed.clear()
+            for row in await svc.store.events(tenant_id, sandbox_id, after):
+                after = row["id"]
+                yield Event.model_validate(dict(row)).model_dump_json() + "\n"
+                if row["type"] == "state" and row["to_state"] == "deleted":
+                    return
+            # A missed announcement (the listener reconnecting) costs a recheck, not the event.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), EVENTS_RECHECK_S)
+    finally:
+        svc.listener.unsubscribe(changed, sandbox_id)

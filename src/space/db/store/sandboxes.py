@@ -329,11 +329,13 @@ class SandboxQueries(Queries):
         async with self.engine.connect() as c:
             return list((await c.execute(q)).mappings())
 
-    async def events(self, tenant_id: str, sandbox_id: str) -> list[Row]:
+    async def events(self, tenant_id: str, sandbox_id: str, after: int = 0) -> list[Row]:
+        """Its events numbered after `after`, oldest first."""
+        e = t.events.c
         q = (
             sa.select(t.events)
-            .where(t.events.c.sandbox_id == sandbox_id, t.events.c.tenant_id == tenant_id)
-            .order_by(t.events.c.id)
+            .where(e.sandbox_id == sandbox_id, e.tenant_id == tenant_id, e.id > after)
+            .order_by(e.id)
         )
         async with self.engine.connect() as c:
             return list((await c.execute(q)).mappings())
