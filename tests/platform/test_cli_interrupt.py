@@ -69,7 +69,7 @@ def frozen(platform: Platform) -> Iterator[None]:
 def sandbox_id(platform: Platform) -> Iterator[str]:
     with platform.client() as c:
         sid = str(create(c)["id"])
-        assert run(c, sid, "mkdir -p /root/w")[2] == 0
+        assert run(c, sid, "mkdir -p /root/w; echo console-ready > /dev/console")[2] == 0
         yield sid
         c.delete(f"/v1/sandboxes/{sid}")
 
@@ -82,8 +82,9 @@ def sandbox_id(platform: Platform) -> Iterator[str]:
         (("exec", "{sid}", "--", "sh", "-c", "echo ready; sleep 600"), b"ready", "stdout"),
         (("process", "attach", "{sid}", "sleeper"), b"slept", "stdout"),
         (("forward", "{sid}", "8080", "--local-port", "0"), b"forwarding", "stderr"),
+        (("sandbox", "logs", "{sid}", "-f"), b"console-ready", "stdout"),
     ],
-    ids=["watch", "exec", "attach", "forward"],
+    ids=["watch", "exec", "attach", "forward", "logs"],
 )
 def test_ctrl_c_stops_a_long_running_command_at_once(
     platform: Platform, sandbox_id: str, args: tuple[str, ...], ready: bytes, where: str,
