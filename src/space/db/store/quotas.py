@@ -59,12 +59,16 @@ async def checkpoint_usage(c: AsyncConnection, tenant_id: str) -> dict[str, int]
 async def lock_for(
     c: AsyncConnection, tenant_id: str, defaults: q.Quotas | None
 ) -> q.Quotas | None:
-    """Lock the tenant's row (before anything is added) and return its quotas."""
+    """Lock the tenant's row (before anything is added) and return its quotas. Refused (404)
+    for a tenant deleted meanwhile: a call its key made just before is not let add to it."""
+    tenants = t.tenants.c
+    query = (sa.select(tenants.quotas, tenants.deleted_at).where(tenants.id == tenant_id)
+             .with_for_update())  # fmt: skip
+    row = (await c.execute(query)).first()
+    if row is not None and row.deleted_at is not None:
+        raise Refused(404, f"tenant {tenant_id} was deleted")
     if defaults is None:
         return None
-    tenants = t.tenants.c
-    query = sa.select(tenants.quotas).where(tenants.id == tenant_id).with_for_update()
-    row = (await c.execute(query)).first()
     return defaults.with_overrides(row.quotas if row is not None else {})
 
 
