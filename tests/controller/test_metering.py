@@ -226,3 +226,29 @@ async def test_a_round_the_database_refused_is_counted_by_the_next(
     finally:
         await store.close()
         embedded.stop(pgdata)
+
+
+async def test_a_worker_restart_and_a_new_leader_count_nothing_twice(
+    world: tuple[Usage, Workers, Metering],
+) -> None:
+    """Its VMs adopted by a worker just restarted look young; their VMMs are not."""
+    store, workers, meter = world
+    workers.reports["w1"] = vm(0.0, age_s=1.0, vmm_age_s=7200.0, cpu_seconds=5000.0,
+                               traffic={"h": (10**9, 0)}, traffic_epoch="e1")  # fmt: skip
+    await meter.once()
+    assert store.total("sb-1", "cpu_seconds") == 0 and store.total("sb-1", "egress_bytes") == 0
+
+
+async def test_the_gateways_counts_start_again_under_a_new_epoch(
+    world: tuple[Usage, Workers, Metering],
+) -> None:
+    """The gateway took the sandbox on anew (it restarted; the sandbox was resumed): more than
+    before already, and yet all of it new."""
+    store, workers, meter = world
+    workers.reports["w1"] = vm(0.0, traffic={"h": (100, 0)}, traffic_epoch="e1")
+    await meter.once()
+    workers.reports["w1"] = vm(RES, traffic={"h": (150, 0)}, traffic_epoch="e2")
+    await meter.once()
+    workers.reports["w1"] = vm(2 * RES, traffic={"h": (160, 0)}, traffic_epoch="e2")
+    await meter.once()
+    assert store.total("sb-1", "egress_bytes") == 100 + 150 + 10

@@ -150,3 +150,19 @@ async def test_totals_only_grow_and_roll_ups_keep_every_sum(store: Store) -> Non
     await store.record_usage([running(a, sid, day2)], [])
     grown = {(tn, st): f for tn, st, f in await store.usage_totals()}
     assert grown[(a, "running")].seconds == totals[(a, "running")].seconds + 60
+
+
+async def test_a_round_of_thousands_of_rows_is_written_whole(store: Store) -> None:
+    """More rows than one statement may carry (PostgreSQL takes 32767 parameters)."""
+    a = await tenant(store)
+    at = DAY + timedelta(days=80)
+    samples = [UsageSample(at, 60, a, f"sb-many-{i}", "sandbox", "base", "running",
+                           Figures(seconds=1.0)) for i in range(4000)]  # fmt: skip
+    traffic = [TrafficSample(at, 60, a, "sb-many-0", f"h{i}.example", 1, 2) for i in range(6000)]
+    await store.record_usage(samples, traffic)
+    owners = await store.owners([f"sb-many-{i}" for i in range(40000)])  # none is a sandbox
+    assert owners == {}
+    [total] = [f for tn, st, f in await store.usage_totals() if tn == a]
+    assert total.seconds == 4000
+    q = UsageQuery(at, at + HOUR, 3600, a)
+    assert len(await store.usage_hosts(q, limit=10000)) == 6000

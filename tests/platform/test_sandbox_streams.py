@@ -4,6 +4,7 @@ bounds refused clearly), and its lifecycle events pushed as they happen until it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -14,6 +15,7 @@ import time
 from typing import Any
 
 import space
+from space.api.deps import FOLLOWERS_PER_TENANT
 
 from ..stack import Platform
 from .helpers import run
@@ -92,3 +94,34 @@ def test_events_are_pushed_as_they_happen_until_it_is_deleted(platform: Platform
         ids = [e["id"] for e in c.get(f"/v1/sandboxes/{sid}/events").json()["items"]]
         later = c.get(f"/v1/sandboxes/{sid}/events", params={"after": ids[-2]}).json()["items"]
         assert [e["id"] for e in later] == ids[-1:]
+
+
+def test_a_tenant_follows_a_bounded_number_of_streams_at_once(platform: Platform) -> None:
+    """Each followed stream holds a connection for as long as it lasts: past its share a
+    tenant is told to end one first (429), and a stream it left frees its place."""
+    with platform.client(platform.key_b) as c:
+        sid = c.post("/v1/sandboxes", json={}).json()["id"]
+        last = str(c.get(f"/v1/sandboxes/{sid}/events").json()["items"][-1]["id"])
+        follow = {"follow": "true", "after": last}
+        with contextlib.ExitStack() as streams:
+            for i in range(FOLLOWERS_PER_TENANT):
+                path = f"/v1/sandboxes/{sid}/" + ("logs" if i % 2 else "events")
+                r = streams.enter_context(c.stream("GET", path, params=follow))
+                assert r.status_code == 200, r.read()
+            r = c.get(f"/v1/sandboxes/{sid}/events", params=follow)
+            assert r.status_code == 429 and "end one" in r.json()["detail"], r.text
+            with platform.client(platform.key_a) as a:  # another tenant's share is its own
+                mine = a.post("/v1/sandboxes", json={}).json()["id"]
+                with a.stream(
+                    "GET", f"/v1/sandboxes/{mine}/events", params={"follow": "true"}
+                ) as r:
+                    assert r.status_code == 200
+                a.delete(f"/v1/sandboxes/{mine}")
+        deadline = time.monotonic() + 10
+        while True:  # left: their places come back as the API sees them go
+            with c.stream("GET", f"/v1/sandboxes/{sid}/events", params=follow) as r:
+                if r.status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the places of streams that ended stayed taken"
+            time.sleep(0.2)
+        c.delete(f"/v1/sandboxes/{sid}")

@@ -36,13 +36,18 @@ async def target(svc: Services, tenant_id: str, sandbox_id: str) -> Worker:
     return await svc.running_on(row)
 
 
-class _RelayResponse(StreamingResponse):
-    """A streamed answer that always closes its upstream worker stream, even when the client
-    leaves before the first byte (then the body generator never starts)."""
+class ClosingStream(StreamingResponse):
+    """A streamed answer that always closes what it holds (an upstream worker stream, a place
+    among the tenant's followers), even when the client leaves before the first byte (then the
+    body generator never starts)."""
 
     def __init__(self, body: AsyncIterator[bytes], media_type: str, stack: AsyncExitStack):
         super().__init__(body, media_type=media_type)
         self._stack = stack
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Called once the answer has ended, however it ended."""
+        self._stack.callback(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -53,11 +58,11 @@ class _RelayResponse(StreamingResponse):
 
 async def relay(
     upstream: AbstractAsyncContextManager[httpx.Response], media_type: str
-) -> StreamingResponse:
+) -> ClosingStream:
     """Open the worker's stream first (so its errors become ours), then pass the body on."""
     stack = AsyncExitStack()
     resp = await stack.enter_async_context(upstream)
-    return _RelayResponse(resp.aiter_raw(), media_type, stack)
+    return ClosingStream(resp.aiter_raw(), media_type, stack)
 
 
 @router.post("/exec", response_class=StreamingResponse)
@@ -227,7 +232,16 @@ async def read_logs(
         raise APIError(409, f"sandbox {sandbox_id} is {row['state']}: only a live VM has a "
                        "console", state=row["state"])  # fmt: skip
     worker = await svc.worker_of(row)
-    return await relay(svc.workers.console(worker, sandbox_id, tail, follow), "text/plain")
+    if not follow:
+        return await relay(svc.workers.console(worker, sandbox_id, tail, False), "text/plain")
+    release = svc.follow(caller.id)
+    try:
+        answer = await relay(svc.workers.console(worker, sandbox_id, tail, True), "text/plain")
+    except BaseException:
+        release()
+        raise
+    answer.on_close(release)
+    return answer
 
 
 @router.post("/files/mkdir", response_model=FileEntry)

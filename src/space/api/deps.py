@@ -7,7 +7,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request, WebSocket
@@ -26,6 +26,10 @@ from space.webhooks.targets import egress_floor
 from space.worker.api.client import Worker, WorkerClient
 
 RECHECK_S = 2.0  # a waiter looks again this often even without a notification
+# Streams a tenant may follow at once through one API process (a sandbox's console, its
+# events): each holds a connection to a worker or the database's attention for as long as it
+# lasts, so one tenant's many must not starve the others.
+FOLLOWERS_PER_TENANT = 32
 WAKE_S = 60.0  # how long a call waits for a sandbox the idle policy paused to run again
 
 
@@ -40,6 +44,27 @@ class Services:
     rates: RateLimiter
     worker_secret: str  # what workers present when they register
     worker_ca: WorkerCA | None = None  # issues workers' certificates under mutual TLS
+    followers: dict[str, int] = field(default_factory=dict)  # tenant: streams it follows now
+
+    def follow(self, tenant_id: str) -> Callable[[], None]:
+        """A place for one more followed stream of the tenant (429 past its share); call what
+        is returned once the stream ends."""
+        held = self.followers.get(tenant_id, 0)
+        if held >= FOLLOWERS_PER_TENANT:
+            raise APIError(429, f"{held} streams of this tenant are followed already: end one "
+                           "first", headers={"Retry-After": "5"})  # fmt: skip
+        self.followers[tenant_id] = held + 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.followers[tenant_id] -= 1
+                if not self.followers[tenant_id]:
+                    del self.followers[tenant_id]
+
+        return release
 
     async def wait_for(self, sandbox_id: str, done: Callable[[Row], bool], timeout: float) -> Row:
         """Until `done(row)`; the last row seen if the timeout passes first."""

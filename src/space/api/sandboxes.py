@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.exc import IntegrityError
 
 from space import crashpoints, logs, tracing
+from space.api.data import ClosingStream
 from space.api.deps import Caller, Services, Svc
 from space.api.errors import APIError
 from space.api.metrics import CLAIMS, CREATE
@@ -58,6 +59,7 @@ RoomWait = Annotated[
           "room before answering 503 (0: answer at once)"),
 ]  # fmt: skip
 ROOM_RECHECK_S = 0.5
+EVENTS_PAGE = 1000  # events read at once by a follower
 EVENTS_RECHECK_S = 15.0  # a follower looks again this often even if nothing was announced
 PLACE_GRACE_S = 5.0  # an admitted create may wait this long for placement to find its room
 
@@ -417,7 +419,9 @@ async def sandbox_events(
     sandbox_id: str,
     svc: Svc,
     caller: Caller,
-    after: Annotated[int, Query(ge=0, description="only events numbered after this")] = 0,
+    after: Annotated[
+        int, Query(ge=0, le=2**63 - 1, description="only events numbered after this")
+    ] = 0,
     follow: Annotated[bool, Query(description="NDJSON, one event a line, as they happen")] = False,
 ) -> EventList | StreamingResponse:
     """Its lifecycle events, oldest first. With `follow`, an NDJSON stream of them that goes on
@@ -425,25 +429,31 @@ async def sandbox_events(
     caller leaves; reconnect with `after` set to the last `id` seen."""
     await svc.store.get_sandbox(sandbox_id, caller.id)  # 404 for others' sandboxes
     if follow:
-        return StreamingResponse(
-            _follow_events(svc, caller.id, sandbox_id, after), media_type=NDJSON
-        )
+        answer = ClosingStream(_follow_events(svc, caller.id, sandbox_id, after), NDJSON,
+                               contextlib.AsyncExitStack())  # fmt: skip
+        answer.on_close(svc.follow(caller.id))
+        return answer
     rows = await svc.store.events(caller.id, sandbox_id, after)
     return EventList(items=[Event.model_validate(dict(r)) for r in rows])
 
 
 async def _follow_events(
     svc: Services, tenant_id: str, sandbox_id: str, after: int
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     changed = svc.listener.subscribe(sandbox_id)
     try:
         while True:
             changed.clear()
-            for row in await svc.store.events(tenant_id, sandbox_id, after):
+            # Read before its events: once deleted, every event it will have is among them.
+            gone = (await svc.store.get_sandbox(sandbox_id, tenant_id))["state"] == "deleted"
+            rows = await svc.store.events(tenant_id, sandbox_id, after, EVENTS_PAGE)
+            for row in rows:
                 after = row["id"]
-                yield Event.model_validate(dict(row)).model_dump_json() + "\n"
-                if row["type"] == "state" and row["to_state"] == "deleted":
-                    return
+                yield Event.model_validate(dict(row)).model_dump_json().encode() + b"\n"
+            if len(rows) == EVENTS_PAGE:
+                continue
+            if gone:
+                return
             # A missed announcement (the listener reconnecting) costs a recheck, not the event.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), EVENTS_RECHECK_S)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, TypeVar
@@ -353,6 +354,9 @@ def audit(space: Space, sandbox_id: str, after: int, as_json: bool) -> None:
                 empty="no egress yet")  # fmt: skip
 
 
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but tab and newline
+
+
 @sandbox.command()
 @click.argument("sandbox_id", shell_complete=complete_sandbox_ids)
 @click.option("--tail", type=click.IntRange(0, 1 << 20), default=65536, show_default=True,
@@ -363,8 +367,11 @@ def logs(space: Space, sandbox_id: str, tail: int, follow: bool) -> None:
     """A sandbox's serial console: its kernel's and agent's messages, /dev/console."""
     from space.client import Sandbox
 
+    # The guest writes it: on a terminal, its control sequences (a title, the clipboard, the
+    # cursor) are dropped rather than obeyed.
+    raw = not sys.stdout.isatty()
     for text in Sandbox.get(sandbox_id, client=space).logs(tail, follow):
-        click.echo(text, nl=False)
+        click.echo(text if raw else CONTROL.sub("", text), nl=False)
 
 
 def _change(space: Space, sandbox_id: str, action: Literal["pause", "resume", "suspend"]) -> None:

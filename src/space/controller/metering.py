@@ -5,8 +5,9 @@ measured on the host) and adds what they used since the last reading to their bu
 What a sandbox was given (vCPUs, RAM) is counted for the time between two readings, in the
 state the second found it in; what it used (the VMM's CPU time, its NIC's bytes, its gateway's
 bytes by host) is the growth of counters that start again with a new VMM. A sandbox seen for the
-first time is counted from its start on its worker if that was within two readings, else from
-this reading on (a new leader does not count again what the last one did). So a figure is off
+first time is counted from its start on its worker if that was within two readings, its
+counters whole if its VMM started within two readings, else from this reading on (a new leader
+does not count again what the last one did). So a figure is off
 by at most one reading per change of state, per new leader, and per worker that did not answer
 for longer than `GAP_READINGS` readings.
 """
@@ -38,6 +39,7 @@ class Reading:
     cpu_seconds: float
     net: tuple[int, int] | None  # (rx, tx)
     traffic: dict[str, tuple[int, int]] = field(default_factory=dict)
+    traffic_epoch: str | None = None
 
 
 def grown(now: float, before: float | None, fresh: bool) -> float:
@@ -105,8 +107,10 @@ class Metering:
             seconds = min(max(0.0, at - before.at), self.resolution_s * GAP_READINGS)
         else:
             seconds = min(vm.age_s, self.resolution_s)
-        # Counters seen for the first time are counted whole only if they started lately.
-        fresh = before is not None or vm.age_s <= 2 * self.resolution_s
+        # Counters seen for the first time are counted whole only if they started lately (with
+        # its VMM): an older sandbox's were counted by the leader before.
+        started = vm.vmm_age_s if vm.vmm_age_s is not None else vm.age_s
+        fresh = before is not None or started <= 2 * self.resolution_s
         old = before or Reading(worker, at, None, 0.0, None)
         cpu = grown(vm.cpu_seconds, old.cpu_seconds if old.vmm == vm.vmm else None, fresh)
         net, rx, tx = old.net, 0, 0
@@ -116,8 +120,10 @@ class Metering:
             tx = int(grown(net[1], old.net[1] if old.net else None, fresh))
         bucket = self._bucket(at)
         egress = ingress = 0
+        # The gateway's counts start again under a new epoch (it took the sandbox on anew).
+        counted = old.traffic if old.traffic_epoch == vm.traffic_epoch else {}
         for host, (sent, received) in (vm.traffic or {}).items():
-            was = old.traffic.get(host)
+            was = counted.get(host)
             out = int(grown(sent, was[0] if was else None, fresh))
             back = int(grown(received, was[1] if was else None, fresh))
             if out or back:
@@ -125,7 +131,8 @@ class Metering:
                                              host, out, back))  # fmt: skip
             egress, ingress = egress + out, ingress + back
         # Without the gateway's answer this time, its counts are taken up at the next.
-        hosts = old.traffic if vm.traffic is None else vm.traffic
+        hosts, epoch = (old.traffic, old.traffic_epoch) if vm.traffic is None else (
+            vm.traffic, vm.traffic_epoch)  # fmt: skip
         live = vm.state != "suspended"
         figures = Figures(
             seconds=seconds,
@@ -141,7 +148,7 @@ class Metering:
         )
         samples.append(UsageSample(bucket, self.resolution_s, owner.tenant_id, vm.id, "sandbox",
                                    owner.template, vm.state, figures))  # fmt: skip
-        return Reading(worker, at, vm.vmm, vm.cpu_seconds, net, hosts)
+        return Reading(worker, at, vm.vmm, vm.cpu_seconds, net, hosts, epoch)
 
     async def _storage(self, now: float) -> list[UsageSample]:
         last = self._stored_at

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from space.gateway.policy import Policy, SandboxPolicy
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """A sandbox's bytes by host, (sent, received), in one run of counts (`epoch`)."""
+
+    epoch: str
+    hosts: dict[str, tuple[int, int]]
 
 
 class GatewayError(Exception):
@@ -67,11 +76,11 @@ class GatewayClient:
         ]
         return events
 
-    async def traffic(self) -> dict[str, dict[str, tuple[int, int]]]:
-        """Each sandbox's bytes by host, (sent, received), since the gateway took it on."""
+    async def traffic(self) -> dict[str, Traffic]:
+        """Each sandbox's bytes by host since the gateway took it on."""
         got = (await self._call("GET", "/traffic")).json()
-        return {sid: {host: (int(c[0]), int(c[1])) for host, c in hosts.items()}
-                for sid, hosts in got.items()}  # fmt: skip
+        return {sid: Traffic(t["epoch"], {h: (int(c[0]), int(c[1])) for h, c in t["hosts"].items()})
+                for sid, t in got.items()}  # fmt: skip
 
     async def ca_pem(self) -> bytes:
         return (await self._call("GET", "/ca.pem")).content

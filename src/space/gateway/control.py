@@ -2,7 +2,8 @@
 
 PUT /sandboxes/{id} {"address", "policy"} sets or changes a policy at once (new connections and
 queries use it); DELETE /sandboxes/{id}; GET /audit?sandbox=&after=&limit=; GET /ca.pem;
-GET /traffic: each sandbox's bytes by host, sent and received, since the gateway took it on.
+GET /traffic: each sandbox's bytes by host, sent and received, since the gateway took it on
+(`epoch` names that run of counts).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def make_app(gateway: Gateway) -> Starlette:
 
     async def traffic(request: Request) -> Response:
         return JSONResponse(
-            {sid: {host: list(counts) for host, counts in sandbox.traffic().items()}
+            {sid: {"epoch": sandbox.epoch,
+                   "hosts": {host: list(counts) for host, counts in sandbox.traffic().items()}}
              for sid, sandbox in gateway.sandboxes.items()}
         )  # fmt: skip
 

@@ -5,6 +5,7 @@ sandbox closes all of its connections, at once."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass, field
 
 from space.gateway.audit import AuditLog
@@ -60,8 +61,9 @@ def _bound(policy: Policy, name: str) -> tuple[Secret, ...]:
     return tuple(s for s in policy.secrets if s.bound_to(name))
 
 
-# Hosts whose bytes a sandbox's counts keep apart; any further ones are counted together.
-MAX_HOSTS = 1000
+# Hosts whose bytes a sandbox's counts keep apart; any further ones are counted together (a
+# guest naming a new host a second must not grow what metering reads and keeps).
+MAX_HOSTS = 100
 OTHER_HOSTS = "(other hosts)"
 
 
@@ -77,6 +79,9 @@ class Sandbox:
     dns_pending: int = 0  # its queries waiting on the upstream
     # Bytes (sent, received) by host of its connections that ended; `traffic()` adds the open.
     ended: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Which run of counts these are: a sandbox taken on again (the gateway restarted, the
+    # sandbox came back to another address) counts from zero under a new epoch.
+    epoch: str = field(default_factory=lambda: secrets.token_hex(6))
 
     def count(self, connection: Connection) -> None:
         if connection.sent or connection.received:

@@ -329,13 +329,16 @@ class SandboxQueries(Queries):
         async with self.engine.connect() as c:
             return list((await c.execute(q)).mappings())
 
-    async def events(self, tenant_id: str, sandbox_id: str, after: int = 0) -> list[Row]:
-        """Its events numbered after `after`, oldest first."""
+    async def events(
+        self, tenant_id: str, sandbox_id: str, after: int = 0, limit: int | None = None
+    ) -> list[Row]:
+        """Its events numbered after `after`, oldest first (at most `limit`)."""
         e = t.events.c
         q = (
             sa.select(t.events)
             .where(e.sandbox_id == sandbox_id, e.tenant_id == tenant_id, e.id > after)
             .order_by(e.id)
+            .limit(limit)
         )
         async with self.engine.connect() as c:
             return list((await c.execute(q)).mappings())

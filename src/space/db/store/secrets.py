@@ -10,6 +10,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from space.db import tables as t
 from space.db.sealing import Sealer, SealError
 from space.db.store.base import Queries, Refused, Row
+from space.db.store.quotas import lock_for
 
 
 def _secret_context(tenant_id: str, name: str) -> str:
@@ -24,6 +25,7 @@ class SecretQueries(Queries):
         values = {"key_id": key_id, "sealed": sealed, "updated_at": sa.func.now()}
         sc = t.secrets.c
         async with self.engine.begin() as c:
+            await lock_for(c, tenant_id, None)  # refused for a tenant deleted meanwhile
             q = (
                 pg_insert(t.secrets)
                 .values(tenant_id=tenant_id, name=name, **values)

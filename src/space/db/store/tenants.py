@@ -25,6 +25,7 @@ from space.db.store.base import (
     new_id,
     notify,
 )
+from space.db.store.quotas import lock_for
 
 KEY_PREFIX = "sk_space_"
 
@@ -141,7 +142,8 @@ class TenantQueries(Queries):
             gone = await c.execute(
                 t.tenants.update()
                 .where(tn.id == tenant_id, tn.id != POOL_TENANT, tn.deleted_at.is_(None))
-                .values(deleted_at=sa.func.now(), name=tn.id + ".deleted")
+                # A name no tenant can be given: the old one is free, and this one never clashes.
+                .values(deleted_at=sa.func.now(), name=tn.id + " (deleted)")
             )
             if gone.rowcount != 1:
                 raise Refused(404, f"no tenant {tenant_id!r}")
@@ -161,9 +163,11 @@ class TenantQueries(Queries):
             for row in rows:
                 await event(c, row, "requested", row["state"], "deleted", "its tenant was deleted")
                 await notify(c, row["id"])
+            # Through `deleting` (deleted once no sandbox has it): one never placed yet may be
+            # about to be, by a sandbox of the tenant still on its way.
             await c.execute(
                 t.volumes.update().where(v.tenant_id == tenant_id, v.state == "available")
-                .values(state=sa.case((v.worker_id.is_(None), "deleted"), else_="deleting"))
+                .values(state="deleting")
             )  # fmt: skip
         return held
 
@@ -180,6 +184,7 @@ class TenantQueries(Queries):
         secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
         key = f"{KEY_PREFIX}{key_id}_{secret}"
         async with self.engine.begin() as c:
+            await lock_for(c, tenant_id, None)  # refused for a tenant deleted meanwhile
             await c.execute(
                 t.api_keys.insert().values(
                     id=key_id,
@@ -239,7 +244,11 @@ class TenantQueries(Queries):
                         t.tenants.c.name,
                     )
                     .join(t.tenants, t.tenants.c.id == t.api_keys.c.tenant_id)
-                    .where(t.api_keys.c.id == key_id, t.api_keys.c.revoked_at.is_(None))
+                    .where(
+                        t.api_keys.c.id == key_id,
+                        t.api_keys.c.revoked_at.is_(None),
+                        t.tenants.c.deleted_at.is_(None),
+                    )
                 )
             ).first()
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from space.db import tables as t
-from space.db.store.base import Queries
+from space.db.store.base import Queries, Refused
 
+T = TypeVar("T")
 ROLLED_UP_S = 3600  # what old buckets become
 
 
@@ -140,9 +141,9 @@ class UsageQueries(Queries):
             if samples:
                 await _add_usage(c, samples)
                 await _add_totals(c, samples)
-            if traffic:
-                rows = _merged([asdict(s) for s in traffic], TRAFFIC_KEY, ("sent", "received"))
-                add = insert(t.usage_traffic).values(rows)
+            rows = _merged([asdict(s) for s in traffic], TRAFFIC_KEY, ("sent", "received"))
+            for part in _parts(rows):
+                add = insert(t.usage_traffic).values(part)
                 await c.execute(
                     add.on_conflict_do_update(
                         index_elements=list(TRAFFIC_KEY),
@@ -152,10 +153,12 @@ class UsageQueries(Queries):
 
     async def owners(self, sandbox_ids: Sequence[str]) -> dict[str, Owner]:
         s = t.sandboxes.c
-        q = sa.select(s.id, s.tenant_id, s.template).where(s.id.in_(list(sandbox_ids)))
+        found: dict[str, Owner] = {}
         async with self.engine.connect() as c:
-            rows = (await c.execute(q)).all() if sandbox_ids else []
-        return {r.id: Owner(r.tenant_id, r.template) for r in rows}
+            for part in _parts(list(sandbox_ids)):
+                q = sa.select(s.id, s.tenant_id, s.template).where(s.id.in_(part))
+                found |= {r.id: Owner(r.tenant_id, r.template) for r in await c.execute(q)}
+        return found
 
     async def stored(self) -> list[Stored]:
         """Every sandbox's checkpoints (that are there) and every volume (that is not deleted),
@@ -203,8 +206,7 @@ class UsageQueries(Queries):
         query = _filtered(query, q, u.tenant_id, u.subject, u.template, s.metadata)
         if q.sandbox_id is not None or q.metadata is not None:
             query = query.where(u.kind == "sandbox")
-        async with self.engine.connect() as c:
-            rows = (await c.execute(query)).all()
+        rows = await _bounded(self.engine, query)
         return [UsagePoint(r.key, r.at, r.state, _figures(r)) for r in rows]
 
     async def usage_hosts(self, q: UsageQuery, limit: int = 100) -> list[HostTraffic]:
@@ -220,8 +222,7 @@ class UsageQueries(Queries):
             .limit(limit)
         )
         query = _filtered(query, q, x.tenant_id, x.sandbox_id, s.template, s.metadata)
-        async with self.engine.connect() as c:
-            rows = (await c.execute(query)).all()
+        rows = await _bounded(self.engine, query)
         return [HostTraffic(r.host, int(r.sent), int(r.got)) for r in rows]
 
     async def usage_totals(self) -> list[tuple[str, str, Figures]]:
@@ -275,6 +276,22 @@ SELECT count(*) FROM gone
 """
 
 
+QUESTION_S = 10  # how long one usage question may take the database
+
+
+async def _bounded(engine: AsyncEngine, query: sa.Select[Any]) -> list[sa.Row[Any]]:
+    """The rows of a caller's question, or Refused (503) if it takes the database too long."""
+    async with engine.begin() as c:
+        await c.execute(sa.text(f"SET LOCAL statement_timeout = '{QUESTION_S}s'"))
+        try:
+            return list((await c.execute(query)).all())
+        except sa.exc.DBAPIError as e:
+            if "statement timeout" not in str(e):
+                raise
+    raise Refused(503, f"the usage question took more than {QUESTION_S} s: ask for a shorter "
+                  "range, a longer step or fewer series")  # fmt: skip
+
+
 def _filtered(query: sa.Select, q: UsageQuery, tenant, subject, template, metadata):  # type: ignore[no-untyped-def, type-arg]
     if q.tenant_id is not None:
         query = query.where(tenant == q.tenant_id)
@@ -302,6 +319,14 @@ def _merged(
     return list(merged.values())
 
 
+# Rows a statement carries at most: PostgreSQL takes 32767 parameters, a usage row has 19.
+PART = 1000
+
+
+def _parts(rows: list[T]) -> list[list[T]]:
+    return [rows[i : i + PART] for i in range(0, len(rows), PART)]
+
+
 USAGE_KEY = ("subject", "bucket", "step_s", "state", "tenant_id")
 TRAFFIC_KEY = ("sandbox_id", "bucket", "step_s", "host", "tenant_id")
 
@@ -312,13 +337,13 @@ async def _add_usage(c: AsyncConnection, samples: Sequence[UsageSample]) -> None
          "kind": s.kind, "template": s.template, "state": s.state, **asdict(s.figures)}
         for s in samples
     ]  # fmt: skip
-    add = insert(t.usage).values(_merged(rows, USAGE_KEY, NAMES))
-    await c.execute(
-        add.on_conflict_do_update(
-            index_elements=list(USAGE_KEY),
-            set_=_adding(t.usage, add, NAMES),
+    for part in _parts(_merged(rows, USAGE_KEY, NAMES)):
+        add = insert(t.usage).values(part)
+        await c.execute(
+            add.on_conflict_do_update(
+                index_elements=list(USAGE_KEY), set_=_adding(t.usage, add, NAMES)
+            )
         )
-    )
 
 
 async def _add_totals(c: AsyncConnection, samples: Sequence[UsageSample]) -> None:
@@ -328,9 +353,10 @@ async def _add_totals(c: AsyncConnection, samples: Sequence[UsageSample]) -> Non
         for n, v in asdict(s.figures).items():
             into[n] += v
     rows = [{"tenant_id": k[0], "state": k[1], **v} for k, v in sorted(totals.items())]
-    add = insert(t.usage_totals).values(rows)
-    await c.execute(
-        add.on_conflict_do_update(
-            index_elements=["tenant_id", "state"], set_=_adding(t.usage_totals, add, NAMES)
+    for part in _parts(rows):
+        add = insert(t.usage_totals).values(part)
+        await c.execute(
+            add.on_conflict_do_update(
+                index_elements=["tenant_id", "state"], set_=_adding(t.usage_totals, add, NAMES)
+            )
         )
-    )

@@ -16,6 +16,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from space.db import tables as t
 from space.db.sealing import Sealer
 from space.db.store.base import NotFound, Queries, Refused, new_id
+from space.db.store.quotas import lock_for
 
 MAX_PER_TENANT = 20
 SETTLE = timedelta(seconds=2)
@@ -86,9 +87,9 @@ class WebhookQueries(Queries):
         key_id, sealed = sealer.seal(secret.encode(), _context(webhook_id))
         w = t.webhooks.c
         async with self.engine.begin() as c:
-            # The tenant's row, locked: two creates at once never pass the limit together.
-            await c.execute(sa.select(t.tenants.c.id).where(t.tenants.c.id == tenant_id)
-                            .with_for_update())  # fmt: skip
+            # The tenant's row, locked: two creates at once never pass the limit together (nor
+            # does one for a tenant deleted meanwhile).
+            await lock_for(c, tenant_id, None)
             count = await c.execute(sa.select(sa.func.count()).where(w.tenant_id == tenant_id))
             if count.scalar_one() >= MAX_PER_TENANT:
                 raise Refused(409, f"a tenant has at most {MAX_PER_TENANT} webhooks")

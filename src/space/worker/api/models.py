@@ -447,15 +447,17 @@ class VMUsage(Answer):
     vcpus: int
     memory_mib: int
     vmm: int | None = None  # its VMM's pid (None: suspended)
+    vmm_age_s: float | None = None  # since its VMM started: how long its counters have counted
     cpu_seconds: float = 0.0
     memory_bytes: int = 0
     disk_bytes: int = 0  # allocated on the pool by its disk
     stored_bytes: int = 0  # allocated on the pool by its suspended snapshot
     net_rx_bytes: int | None = None
     net_tx_bytes: int | None = None
-    # Bytes (sent, received) by host through its gateway since the gateway took it on; None:
-    # the gateway did not answer this time.
+    # Bytes (sent, received) by host through its gateway since the gateway took it on, in the
+    # run of counts `traffic_epoch` names; None: the gateway did not answer this time.
     traffic: dict[str, tuple[int, int]] | None = None
+    traffic_epoch: str | None = None
 
 
 class UsageReport(Answer):

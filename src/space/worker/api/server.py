@@ -30,7 +30,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from space.gateway.client import GatewayError
+from space.gateway.client import GatewayError, Traffic
 from space.gateway.policy import Policy
 from space.http_server import Server
 from space.identity import TLSFiles
@@ -309,7 +309,7 @@ class WorkerAPI:
         return JSONResponse(stats.model_dump(mode="json"))
 
     async def usage(self, request: Request) -> Response:
-        traffic: dict[str, dict[str, tuple[int, int]]] | None = {}
+        traffic: dict[str, Traffic] | None = {}
         if self.manager.egress is not None:
             try:
                 traffic = await self.manager.egress.gateway.traffic()
@@ -400,19 +400,21 @@ async def _on_unexpected(request: Request, e: Exception) -> Response:
     return problem(500, f"internal error ({type(e).__name__}); it has been logged")
 
 
-def _vm_usage(m: usage.Metered, traffic: dict[str, dict[str, tuple[int, int]]] | None) -> VMUsage:
+def _vm_usage(m: usage.Metered, traffic: dict[str, Traffic] | None) -> VMUsage:
+    counted = None if traffic is None else traffic.get(m.id, Traffic("", {}))
     vm = VMUsage(
         id=m.id, state=m.state, age_s=m.age_s, vcpus=m.vcpus,  # type: ignore[arg-type]
         memory_mib=m.memory_mib, stored_bytes=m.stored_bytes,
-        traffic=None if traffic is None else traffic.get(m.id, {}),
+        traffic=None if counted is None else counted.hosts,
+        traffic_epoch=None if counted is None else counted.epoch,
     )  # fmt: skip
     if m.used is None:
         return vm
     u = m.used
     return vm.model_copy(
-        update={"vmm": u.vmm, "cpu_seconds": u.cpu_seconds, "memory_bytes": u.memory_bytes,
-                "disk_bytes": u.disk_bytes, "net_rx_bytes": u.net_rx_bytes,
-                "net_tx_bytes": u.net_tx_bytes}
+        update={"vmm": u.vmm, "vmm_age_s": u.vmm_age_s, "cpu_seconds": u.cpu_seconds,
+                "memory_bytes": u.memory_bytes, "disk_bytes": u.disk_bytes,
+                "net_rx_bytes": u.net_rx_bytes, "net_tx_bytes": u.net_tx_bytes}
     )  # fmt: skip
 
 

@@ -32,14 +32,24 @@ class Usage:
     net_rx_bytes: int | None  # received by the guest's NIC; None: it has none
     net_tx_bytes: int | None  # sent by the guest's NIC (dropped by its policy or not)
     vmm: int  # the VMM's pid: a new VMM (a resume, a reboot) starts the counters again
+    vmm_age_s: float  # since the VMM started: how long its counters have been counting
+
+
+def _stat(pid: int) -> list[str]:
+    # Fields after the command name, which may hold spaces and parentheses.
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()
 
 
 def cpu_seconds(pid: int) -> float:
-    # Fields after the command name, which may hold spaces and parentheses: utime, stime are
-    # the 14th and 15th of the whole line.
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
+    fields = _stat(pid)  # utime and stime: the 14th and 15th fields of the whole line
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def age_s(pid: int) -> float:
+    """How long the process has run (its start, the 22nd field, in ticks since boot)."""
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return max(0.0, uptime - int(_stat(pid)[19]) / CLOCK_TICKS)
 
 
 def pss_bytes(pid: int) -> int | None:
@@ -76,7 +86,7 @@ def _measure(sb: SandboxVM, net: SandboxNetwork | None) -> Usage:
     if pid is None:
         raise WrongState(f"VM {sb.id} has no VMM process", sb.state)
     try:
-        cpu, pss = cpu_seconds(pid), pss_bytes(pid)
+        cpu, pss, age = cpu_seconds(pid), pss_bytes(pid), age_s(pid)
         if pss is None:
             raise FileNotFoundError(pid)
     except (OSError, ValueError, IndexError):
@@ -85,7 +95,7 @@ def _measure(sb: SandboxVM, net: SandboxNetwork | None) -> Usage:
     if net is not None:
         # The tap's receive side is what the guest sent, and the other way round.
         tx, rx = link_bytes(net.netns, net.tap)
-    return Usage(time.time(), cpu, pss, allocated_bytes(machine.disk), rx, tx, pid)
+    return Usage(time.time(), cpu, pss, allocated_bytes(machine.disk), rx, tx, pid, age)
 
 
 async def measure(sb: SandboxVM, net: SandboxNetwork | None) -> Usage:
