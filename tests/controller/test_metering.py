@@ -1,23 +1,30 @@
-"""The leader's metering arithmetic (`controller.metering`) with the workers' answers under the
-test's control: counters that start again, a new leader, a gateway that does not answer once, a
-worker silent for long, a sandbox that moved. tests/platform/test_usage.py measures real
-sandboxes against the host's own accounting."""
+"""The leader's metering arithmetic (`controller.metering`) with the workers' answers and the
+database's clock under the test's control: counters that start again, a new leader, a gateway
+that does not answer once, a worker silent for long, a sandbox that moved, a write that failed;
+time counted from the cursor on, once. tests/db/test_usage.py counts time in states from real
+state changes; tests/platform/test_usage.py measures real sandboxes against the host's own
+accounting."""
 
 from __future__ import annotations
 
+import itertools
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from space.controller.metering import GAP_READINGS, Metering
+from space.controller.metering import CATCH_UP_STEPS, SETTLE_S, Metering
 from space.db import embedded, migrate
 from space.db.store import Store, connect
-from space.db.store.usage import Owner, Stored, TrafficSample, UsageSample
+from space.db.store.usage import Owner, StateTime, Stored, TrafficSample, UsageSample
 from space.worker.api.client import WorkerError
 from space.worker.api.models import UsageReport, VMUsage
 
 RES = 10  # seconds a reading
+
+
+T0 = datetime(2026, 12, 1, tzinfo=UTC)
 
 
 class Usage:
@@ -26,6 +33,9 @@ class Usage:
     def __init__(self) -> None:
         self.samples: list[UsageSample] = []
         self.traffic: list[TrafficSample] = []
+        self.cursor: datetime | None = None
+        self.now = T0  # the database's clock
+        self.windows: list[tuple[datetime, datetime]] = []  # asked of time_in_states
         self.workers_ = [{"id": "w1", "url": "http://w1.invalid", "state": "active"},
                          {"id": "w2", "url": "http://w2.invalid", "state": "active"}]  # fmt: skip
 
@@ -38,12 +48,22 @@ class Usage:
     async def stored(self) -> list[Stored]:
         return [Stored("volume", "vol-1", "tn-a", "", 2 << 30)]
 
-    async def record_usage(self, samples: list[UsageSample], traffic: list[TrafficSample]) -> None:
+    async def usage_window(self) -> tuple[datetime | None, datetime]:
+        return self.cursor, self.now
+
+    async def time_in_states(self, start: datetime, end: datetime) -> list[StateTime]:
+        self.windows.append((start, end))
+        seconds = (end - start).total_seconds()
+        return [StateTime("sb-1", "tn-a", "base", "running", 2, 2048, seconds)]
+
+    async def record_usage(self, samples: list[UsageSample], traffic: list[TrafficSample],
+                           counted_until: datetime | None = None) -> None:  # fmt: skip
         if self.refuse:
             self.refuse = False
             raise OSError("the database went away mid-write")
         self.samples += samples
         self.traffic += traffic
+        self.cursor = counted_until or self.cursor
 
     def total(self, sandbox: str, name: str, state: str | None = None) -> float:
         return float(sum(getattr(s.figures, name) for s in self.samples
@@ -80,8 +100,7 @@ async def test_given_and_used_add_up_over_readings(world: tuple[Usage, Workers, 
     workers.reports["w1"] = vm(t0, age_s=4.0, cpu_seconds=3.0, net_tx_bytes=500,
                                traffic={"pypi.org": (100, 1000)})  # fmt: skip
     await meter.once()
-    # Young: counted from its start (4 s ago), its counters whole.
-    assert store.total("sb-1", "seconds") == 4.0
+    # Young: its counters counted whole.
     assert store.total("sb-1", "cpu_seconds") == 3.0
     assert store.total("sb-1", "net_tx_bytes") == 500
     assert store.total("sb-1", "egress_bytes") == 100
@@ -89,18 +108,16 @@ async def test_given_and_used_add_up_over_readings(world: tuple[Usage, Workers, 
                                net_tx_bytes=800, traffic={"pypi.org": (150, 3000),
                                                           "github.com": (7, 9)})  # fmt: skip
     await meter.once()
-    assert store.total("sb-1", "vcpu_seconds", "paused") == 2 * RES
-    assert store.total("sb-1", "memory_gib_seconds", "paused") == 2 * RES
     assert store.total("sb-1", "cpu_seconds") == 5.5
     assert store.total("sb-1", "net_tx_bytes") == 800
     assert store.total("sb-1", "egress_bytes") == 157
     assert store.total("sb-1", "ingress_bytes") == 3009
     by_host = {(x.host, x.sent, x.received) for x in store.traffic}
     assert by_host == {("pypi.org", 100, 1000), ("pypi.org", 50, 2000), ("github.com", 7, 9)}
-    # Volumes are counted by their size for the time between readings.
+    # Volumes are counted by their size, for the time the rounds counted.
     volume = [s for s in store.samples if s.subject == "vol-1"]
     assert volume and all(s.state == "stored" and s.kind == "volume" for s in volume)
-    assert volume[0].figures.volume_gib_hours == pytest.approx(2 * RES / 3600)
+    assert store.total("vol-1", "volume_gib_hours") == pytest.approx(2 * RES / 3600)
 
 
 async def test_counters_that_start_again_are_counted_whole(
@@ -125,7 +142,6 @@ async def test_a_new_leader_counts_an_old_sandbox_from_its_first_reading(
                                traffic={"pypi.org": (10**6, 10**7)})  # fmt: skip
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 0 and store.total("sb-1", "egress_bytes") == 0
-    assert store.total("sb-1", "seconds") == RES  # at most one reading of time
     workers.reports["w1"] = vm(RES, age_s=old + RES, cpu_seconds=901.0,
                                traffic={"pypi.org": (10**6 + 5, 10**7)})  # fmt: skip
     await meter.once()
@@ -145,7 +161,7 @@ async def test_a_gateway_that_did_not_answer_loses_no_bytes(
     assert store.total("sb-1", "egress_bytes") == 130
 
 
-async def test_a_silent_worker_is_not_counted_as_time_its_sandboxes_ran(
+async def test_a_silent_worker_loses_nothing_its_sandboxes_used(
     world: tuple[Usage, Workers, Metering],
 ) -> None:
     store, workers, meter = world
@@ -153,10 +169,8 @@ async def test_a_silent_worker_is_not_counted_as_time_its_sandboxes_ran(
     await meter.once()
     workers.reports["w1"] = WorkerError(0, "no answer", timed_out=True)
     await meter.once()  # the other worker and the volumes are still counted
-    assert store.total("sb-1", "seconds") == 0
     workers.reports["w1"] = vm(100 * RES, age_s=100 * RES, cpu_seconds=40.0)
     await meter.once()
-    assert store.total("sb-1", "seconds") == GAP_READINGS * RES
     assert store.total("sb-1", "cpu_seconds") == 40.0  # what it used is counted whole
 
 
@@ -173,7 +187,6 @@ async def test_a_moved_sandbox_starts_afresh_and_strays_are_no_ones(
     workers.reports["w2"] = vm(RES, age_s=3.0, cpu_seconds=2.0)
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 9.0
-    assert store.total("sb-1", "seconds") == 1.0 + 3.0
 
 
 async def test_a_write_that_failed_is_counted_by_the_next_round(
@@ -182,15 +195,19 @@ async def test_a_write_that_failed_is_counted_by_the_next_round(
     store, workers, meter = world
     workers.reports["w1"] = vm(0.0, age_s=0.0, cpu_seconds=1.0, traffic={"h": (10, 0)})
     await meter.once()
+    counted = store.cursor
     store.refuse = True
+    store.now += timedelta(seconds=RES)
     workers.reports["w1"] = vm(RES, age_s=RES, cpu_seconds=4.0, traffic={"h": (30, 0)})
     with pytest.raises(OSError):
         await meter.once()
+    assert store.cursor == counted  # the time it would have counted is counted next
+    store.now += timedelta(seconds=RES)
     workers.reports["w1"] = vm(2 * RES, age_s=2 * RES, cpu_seconds=6.0, traffic={"h": (35, 0)})
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 6.0
     assert store.total("sb-1", "egress_bytes") == 35
-    assert store.total("sb-1", "seconds") == 2 * RES
+    assert store.total("sb-1", "seconds") == 3 * RES  # each second once
 
 
 async def test_a_round_the_database_refused_is_counted_by_the_next(
@@ -221,8 +238,8 @@ async def test_a_round_the_database_refused_is_counted_by_the_next(
         await meter.once()
         [(_, state, total)] = [t for t in await store.usage_totals() if t[0] == tenant]
         assert state == "running"
-        assert total.cpu_seconds == 6.0 and total.egress_bytes == 35
-        assert total.seconds == 2 * RES  # nothing lost, nothing twice
+        assert total.cpu_seconds == 6.0 and total.egress_bytes == 35  # nothing lost, nor twice
+        assert (await store.usage_window())[0] is not None  # time counted up to there
     finally:
         await store.close()
         embedded.stop(pgdata)
@@ -252,3 +269,29 @@ async def test_the_gateways_counts_start_again_under_a_new_epoch(
     workers.reports["w1"] = vm(2 * RES, traffic={"h": (160, 0)}, traffic_epoch="e2")
     await meter.once()
     assert store.total("sb-1", "egress_bytes") == 100 + 150 + 10
+
+
+async def test_time_is_counted_once_bucket_by_bucket_from_the_cursor(
+    world: tuple[Usage, Workers, Metering],
+) -> None:
+    """From where the last round stopped (whichever leader ran it) to a moment ago, each second
+    once, cut at the buckets' edges; a cursor far behind catches up a bounded step a round."""
+    store, _, meter = world
+    await meter.once()
+    store.now += timedelta(seconds=2.5 * RES)
+    await meter.once()
+    store.now += timedelta(seconds=1000 * RES)  # the controller was away
+    await meter.once()
+    windows = store.windows
+    assert all(a < b for a, b in windows)
+    assert all(b == a2 for (_, b), (a2, _) in itertools.pairwise(windows))
+    for a, b in windows:  # never across a bucket's edge
+        assert int(a.timestamp()) // RES == (int(b.timestamp()) - 1) // RES, (a, b)
+    assert windows[0][0] == T0 - timedelta(seconds=SETTLE_S + RES)  # the first: a bucket ago
+    assert store.cursor == windows[-1][1]
+    counted = (windows[-1][1] - windows[0][0]).total_seconds()
+    assert counted == RES + 2.5 * RES + CATCH_UP_STEPS * RES
+    assert store.total("sb-1", "seconds") == counted
+    assert store.total("sb-1", "vcpu_seconds") == 2 * counted
+    assert store.total("sb-1", "memory_gib_seconds") == 2 * counted
+    assert store.total("vol-1", "volume_gib_hours") == pytest.approx(2 * counted / 3600)

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from space.db import migrate
 from space.db import tables as t
 from space.db.store import Store, connect
-from space.db.store.usage import Figures, TrafficSample, UsageQuery, UsageSample
+from space.db.store.usage import Figures, StateTime, TrafficSample, UsageQuery, UsageSample
 
 HOUR = timedelta(hours=1)
 # A day long ago, so that nothing the other tests of the package add falls in it.
@@ -166,3 +166,52 @@ async def test_a_round_of_thousands_of_rows_is_written_whole(store: Store) -> No
     assert total.seconds == 4000
     q = UsageQuery(at, at + HOUR, 3600, a)
     assert len(await store.usage_hosts(q, limit=10000)) == 6000
+
+
+async def test_time_in_states_is_read_from_the_state_changes(store: Store) -> None:
+    """Spans cut to the window, by the tenant each change was recorded for: a warm-pool member
+    is the pool's until its claim, then its tenant's; a deleted sandbox stops counting."""
+    t0 = datetime(2003, 4, 5, tzinfo=UTC)
+    a, b = await tenant(store), await tenant(store)
+    short, member = await sandbox(store, a), await sandbox(store, a)
+
+    def at(s: float) -> datetime:
+        return t0 + timedelta(seconds=s)
+
+    changes = [
+        (short, a, "created", None, "pending", 0),
+        (short, a, "state", "starting", "running", 10),
+        (short, a, "state", "pausing", "paused", 70),
+        (short, a, "state", "resuming", "running", 100),
+        (short, a, "requested", "running", "deleted", 125),  # asked: not a change of state
+        (short, a, "state", "deleting", "deleted", 130),
+        (member, "tn-pool", "created", None, "running", 0),
+        (member, b, "created", None, "running", 50),  # its claim
+        (member, b, "state", "pausing", "paused", 80),
+    ]  # fmt: skip
+    async with store.engine.begin() as c:
+        for sid, tn, kind, before, after, s in changes:
+            row = {"sandbox_id": sid, "tenant_id": tn, "type": kind, "from_state": before,
+                   "to_state": after, "at": at(s)}  # fmt: skip
+            await c.execute(t.events.insert().values(**row))
+        sb = t.sandboxes.c
+        gone = {"state": "deleted", "updated_at": at(130)}
+        await c.execute(t.sandboxes.update().where(sb.id == short).values(**gone))
+        await c.execute(t.sandboxes.update().where(sb.id == member).values(state="paused"))
+
+    def spans(found: list[StateTime]) -> dict[tuple[str, str, str], float]:
+        return {(x.sandbox_id, x.tenant_id, x.state): x.seconds for x in found
+                if x.sandbox_id in (short, member)}  # fmt: skip
+
+    first = spans(await store.time_in_states(at(5), at(120)))
+    assert first == {
+        (short, a, "running"): 60 + 20, (short, a, "paused"): 30,
+        (member, "tn-pool", "running"): 45, (member, b, "running"): 30, (member, b, "paused"): 40,
+    }  # fmt: skip
+    then = spans(await store.time_in_states(at(120), at(200)))
+    assert then == {(short, a, "running"): 10, (member, b, "paused"): 80}
+    found = await store.time_in_states(at(120), at(200))
+    assert {x.vcpus for x in found if x.sandbox_id == short} == {2}
+    # Long after its deletion, a deleted sandbox is not even looked at.
+    later = spans(await store.time_in_states(at(10_000), at(10_060)))
+    assert later == {(member, b, "paused"): 60}

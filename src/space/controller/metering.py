@@ -1,22 +1,25 @@
-"""Metering: every `resolution_s` the leader asks each worker what its sandboxes use (GET /usage,
-measured on the host) and adds what they used since the last reading to their bucket
-(db/store/usage.py); the storage of checkpoints and volumes is counted from the database.
+"""Metering: every `resolution_s` the leader counts what sandboxes were given and used, into
+buckets of that width (db/store/usage.py).
 
-What a sandbox was given (vCPUs, RAM) is counted for the time between two readings, in the
-state the second found it in; what it used (the VMM's CPU time, its NIC's bytes, its gateway's
-bytes by host) is the growth of counters that start again with a new VMM. A sandbox seen for the
-first time is counted from its start on its worker if that was within two readings, its
-counters whole if its VMM started within two readings, else from this reading on (a new leader
-does not count again what the last one did). So a figure is off
-by at most one reading per change of state, per new leader, and per worker that did not answer
-for longer than `GAP_READINGS` readings.
+Time is counted from the state changes sandboxes recorded, exactly: each round counts the span
+from where the last one stopped (a cursor kept in the database, moved in the same transaction
+as what the round adds) to a moment `SETTLE_S` ago, so every second of every sandbox in
+running, paused or suspended is counted once, whichever leader counts it and however short the
+sandbox's life; what it was given (vCPUs, RAM) is billed by those seconds. Checkpoints and
+volumes are counted by the same spans, at what they hold.
+
+What sandboxes used (the VMM's CPU time, the disk's blocks, the NIC's and the gateway's bytes by
+host) is read from each worker (GET /usage, measured on the host) and counted by how much the
+counters grew since the last reading; counters start again with a new VMM or a new gateway
+epoch. Counters seen for the first time are counted whole if their VMM started within two
+readings, else from this reading on (a new leader does not count again what the last one did).
+What a VMM used after its last reading and before it stopped is not counted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -28,7 +31,9 @@ from space.worker.api.models import UsageReport, VMUsage
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-GAP_READINGS = 3  # a longer silence of a worker is not counted as time its sandboxes ran
+GAP_READINGS = 3  # a longer silence of a worker: its disks' hours are not counted for it
+SETTLE_S = 2.0  # state changes still being committed are this late at most
+CATCH_UP_STEPS = 60  # buckets one round counts at most, when the cursor is behind
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,6 @@ class Metering:
         self.store, self.workers = store, workers
         self.resolution_s = resolution_s
         self._last: dict[str, Reading] = {}  # sandbox id → its last reading
-        self._stored_at: float | None = None
 
     async def once(self) -> None:
         active = [w for w in await self.store.workers() if w["state"] == "active"]
@@ -82,12 +86,50 @@ class Metering:
                 owner = owners.get(vm.id)
                 if owner is not None:  # a VM the database does not know is no one's
                     readings[vm.id] = self._count(worker, report.at, vm, owner, samples, traffic)
-        now = time.time()
-        samples += await self._storage(now)
-        await self.store.record_usage(samples, traffic)
+        counted, until = await self._time(samples)
+        await self.store.record_usage(samples, traffic, counted_until=until)
         # Only what was written is counted as read: after a failed write (the database away)
-        # the next round counts from the same readings, and loses nothing but time past the gap.
-        self._last, self._stored_at = readings, now
+        # the next round counts from the same readings and the same cursor.
+        self._last = readings
+        if counted:
+            log.debug("metering counted %.1f s of time in states", counted)
+
+    async def _time(self, samples: list[UsageSample]) -> tuple[float, datetime | None]:
+        """Time in states (and storage held) from the cursor on, bucket by bucket; how many
+        seconds that was, and the cursor's new place (None: not moved)."""
+        start, now = await self.store.usage_window()
+        end = now - timedelta(seconds=SETTLE_S)
+        if start is None:  # never counted yet: from one bucket ago
+            start = end - timedelta(seconds=self.resolution_s)
+        end = min(end, start + timedelta(seconds=self.resolution_s * CATCH_UP_STEPS))
+        if end <= start:
+            return 0.0, None
+        stored = await self.store.stored()
+        a = start
+        while a < end:
+            b = min(end, self._bucket(a.timestamp()) + timedelta(seconds=self.resolution_s))
+            bucket, seconds = self._bucket(a.timestamp()), (b - a).total_seconds()
+            for span in await self.store.time_in_states(a, b):
+                live = span.state != "suspended"
+                figures = Figures(
+                    seconds=span.seconds,
+                    vcpu_seconds=span.vcpus * span.seconds if live else 0.0,
+                    memory_gib_seconds=span.memory_mib / 1024 * span.seconds if live else 0.0,
+                )
+                samples.append(UsageSample(bucket, self.resolution_s, span.tenant_id,
+                                           span.sandbox_id, "sandbox", span.template, span.state,
+                                           figures))  # fmt: skip
+            for kept in stored:
+                hours = kept.bytes / GiB * seconds / 3600
+                if kept.kind == "sandbox":
+                    figures = Figures(seconds=seconds, checkpoint_gib_hours=hours)
+                else:
+                    figures = Figures(seconds=seconds, volume_gib_hours=hours)
+                samples.append(UsageSample(bucket, self.resolution_s, kept.tenant_id,
+                                           kept.subject, kept.kind, kept.template, "stored",
+                                           figures))  # fmt: skip
+            a = b
+        return (end - start).total_seconds(), end
 
     def _count(
         self,
@@ -133,11 +175,8 @@ class Metering:
         # Without the gateway's answer this time, its counts are taken up at the next.
         hosts, epoch = (old.traffic, old.traffic_epoch) if vm.traffic is None else (
             vm.traffic, vm.traffic_epoch)  # fmt: skip
-        live = vm.state != "suspended"
+        # Time itself (and what was given for it) is counted from state changes (`_time`).
         figures = Figures(
-            seconds=seconds,
-            vcpu_seconds=vm.vcpus * seconds if live else 0.0,
-            memory_gib_seconds=vm.memory_mib / 1024 * seconds if live else 0.0,
             cpu_seconds=cpu,
             disk_gib_hours=vm.disk_bytes / GiB * seconds / 3600,
             snapshot_gib_hours=vm.stored_bytes / GiB * seconds / 3600,
@@ -149,23 +188,6 @@ class Metering:
         samples.append(UsageSample(bucket, self.resolution_s, owner.tenant_id, vm.id, "sandbox",
                                    owner.template, vm.state, figures))  # fmt: skip
         return Reading(worker, at, vm.vmm, vm.cpu_seconds, net, hosts, epoch)
-
-    async def _storage(self, now: float) -> list[UsageSample]:
-        last = self._stored_at
-        seconds = (
-            self.resolution_s if last is None else min(now - last, self.resolution_s * GAP_READINGS)
-        )
-        bucket = self._bucket(now)
-        samples = []
-        for kept in await self.store.stored():
-            hours = kept.bytes / GiB * seconds / 3600
-            if kept.kind == "sandbox":
-                figures = Figures(seconds=seconds, checkpoint_gib_hours=hours)
-            else:
-                figures = Figures(seconds=seconds, volume_gib_hours=hours)
-            samples.append(UsageSample(bucket, self.resolution_s, kept.tenant_id, kept.subject,
-                                       kept.kind, kept.template, "stored", figures))  # fmt: skip
-        return samples
 
     def _bucket(self, at: float) -> datetime:
         start = int(at) // self.resolution_s * self.resolution_s

@@ -326,6 +326,15 @@ usage_traffic = sa.Table(
     sa.Index("usage_traffic_bucket", "bucket"),
 )
 
+# Up to when the time sandboxes spent in each state has been counted (one row): the next round
+# counts from there, whichever leader runs it.
+usage_cursor = sa.Table(
+    "usage_cursor",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("until", sa.DateTime(timezone=True), nullable=False),
+)
+
 # Each tenant's figures since metering began, by state: they only grow (Prometheus counters).
 usage_totals = sa.Table(
     "usage_totals",

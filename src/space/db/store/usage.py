@@ -110,6 +110,20 @@ class Owner:
 
 
 @dataclass(frozen=True)
+class StateTime:
+    """Seconds a sandbox spent in one state, under one tenant, within a span of time, and what
+    it was given meanwhile."""
+
+    sandbox_id: str
+    tenant_id: str
+    template: str
+    state: str  # running | paused | suspended
+    vcpus: int
+    memory_mib: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Stored:
     """What a sandbox's checkpoints or a volume hold, for as long as they are kept."""
 
@@ -132,12 +146,20 @@ def _adding(table: sa.Table, statement: sa.dialects.postgresql.Insert, names: Se
 
 class UsageQueries(Queries):
     async def record_usage(
-        self, samples: Sequence[UsageSample], traffic: Sequence[TrafficSample]
+        self,
+        samples: Sequence[UsageSample],
+        traffic: Sequence[TrafficSample],
+        counted_until: datetime | None = None,
     ) -> None:
-        """Add to the buckets and the totals, in one transaction."""
-        if not samples and not traffic:
-            return
+        """Add to the buckets and the totals, and move the cursor of time in states to
+        `counted_until`, in one transaction: a round is counted once or not at all."""
         async with self.engine.begin() as c:
+            if counted_until is not None:
+                cursor = insert(t.usage_cursor).values(id=1, until=counted_until)
+                moved = cursor.on_conflict_do_update(
+                    index_elements=["id"], set_={"until": counted_until}
+                )
+                await c.execute(moved)
             if samples:
                 await _add_usage(c, samples)
                 await _add_totals(c, samples)
@@ -150,6 +172,24 @@ class UsageQueries(Queries):
                         set_=_adding(t.usage_traffic, add, ["sent", "received"]),
                     )
                 )
+
+    async def usage_window(self) -> tuple[datetime | None, datetime]:
+        """Up to when time in states has been counted (None: never yet), and the database's
+        clock now (the clock state changes are recorded by)."""
+        async with self.engine.connect() as c:
+            row = (await c.execute(sa.select(
+                sa.select(t.usage_cursor.c.until).scalar_subquery(), sa.func.clock_timestamp()
+            ))).one()  # fmt: skip
+        return row[0], row[1]
+
+    async def time_in_states(self, start: datetime, end: datetime) -> list[StateTime]:
+        """What each sandbox spent in running, paused and suspended between `start` and
+        `end`, from the state changes it recorded (the tenant of a span is the one its change
+        was recorded for: a warm-pool member's is the pool's until its claim)."""
+        async with self.engine.connect() as c:
+            rows = await c.execute(sa.text(_TIME_IN_STATES), {"start": start, "end": end})
+        return [StateTime(r.sandbox_id, r.tenant_id, r.template, r.state, r.vcpus, r.memory_mib,
+                          float(r.seconds)) for r in rows if r.seconds > 0]  # fmt: skip
 
     async def owners(self, sandbox_ids: Sequence[str]) -> dict[str, Owner]:
         s = t.sandboxes.c
@@ -259,6 +299,38 @@ class UsageQueries(Queries):
                 {"before": before, "step": ROLLED_UP_S},
             )  # fmt: skip
             return int(gone.scalar_one()) + int(traffic.scalar_one())
+
+
+# Each span of a state: from the change that began it (the last one before `start`, or one
+# within) to the next change (or `end`), cut to the window. Only sandboxes that could have
+# spent time in it: those not deleted, and those that changed since `start`.
+_TIME_IN_STATES = """
+WITH live AS (
+    SELECT id, template, vcpus, memory_mib FROM sandboxes
+    WHERE state != 'deleted' OR updated_at >= :start
+), marks AS (
+    SELECT l.id AS sandbox_id, b.tenant_id, b.to_state AS state, b.id AS event_id, b.at
+    FROM live l CROSS JOIN LATERAL (
+        SELECT e.tenant_id, e.to_state, e.id, e.at FROM events e
+        WHERE e.sandbox_id = l.id AND e.type IN ('created', 'state')
+          AND e.to_state IS NOT NULL AND e.at < :start
+        ORDER BY e.id DESC LIMIT 1
+    ) b
+    UNION ALL
+    SELECT e.sandbox_id, e.tenant_id, e.to_state, e.id, e.at
+    FROM events e JOIN live l ON l.id = e.sandbox_id
+    WHERE e.type IN ('created', 'state') AND e.to_state IS NOT NULL
+      AND e.at >= :start AND e.at < :end
+), spans AS (
+    SELECT *, lead(at) OVER (PARTITION BY sandbox_id ORDER BY event_id) AS until FROM marks
+)
+SELECT s.sandbox_id, s.tenant_id, l.template, s.state, l.vcpus, l.memory_mib,
+       sum(extract(epoch FROM least(coalesce(s.until, :end), :end) - greatest(s.at, :start)))
+           AS seconds
+FROM spans s JOIN live l ON l.id = s.sandbox_id
+WHERE s.state IN ('running', 'paused', 'suspended')
+GROUP BY s.sandbox_id, s.tenant_id, l.template, s.state, l.vcpus, l.memory_mib
+"""
 
 
 # One statement: the fine rows go and their sums arrive as hourly ones (an hourly bucket's key

@@ -1,5 +1,6 @@
 """Metering (space.controller.metering): what each sandbox and volume used, per time bucket and
-state; its gateway traffic by host; each tenant's running totals (Prometheus counters).
+state; its gateway traffic by host; each tenant's running totals (Prometheus counters); up to
+when time in each state has been counted.
 
 Revision ID: 0019
 """
@@ -61,6 +62,11 @@ def upgrade() -> None:
     op.create_index("usage_traffic_tenant", "usage_traffic", ["tenant_id", "bucket"])
     op.create_index("usage_traffic_bucket", "usage_traffic", ["bucket"])
     op.create_table(
+        "usage_cursor",
+        sa.Column("id", sa.Integer(), primary_key=True),
+        sa.Column("until", sa.DateTime(timezone=True), nullable=False),
+    )
+    op.create_table(
         "usage_totals",
         sa.Column("tenant_id", sa.Text(), nullable=False),
         sa.Column("state", sa.Text(), nullable=False),
@@ -70,5 +76,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for table in ("usage_totals", "usage_traffic", "usage"):
+    for table in ("usage_totals", "usage_cursor", "usage_traffic", "usage"):
         op.drop_table(table)
