@@ -5,8 +5,9 @@ Time is counted from the state changes sandboxes recorded, exactly: each round c
 from where the last one stopped (a cursor kept in the database, moved in the same transaction
 as what the round adds) to a moment `SETTLE_S` ago, so every second of every sandbox in
 running, paused or suspended is counted once, whichever leader counts it and however short the
-sandbox's life; what it was given (vCPUs, RAM) is billed by those seconds. Checkpoints and
-volumes are counted by the same spans, at what they hold.
+sandbox's life; what it was given (vCPUs, RAM) is billed by those seconds, and what it holds by
+the same spans: its disk and snapshot at their size when last read, its checkpoints and volumes
+at theirs in the database.
 
 What sandboxes used (the VMM's CPU time, the disk's blocks, the NIC's and the gateway's bytes by
 host) is read from each worker (GET /usage, measured on the host) and counted by how much the
@@ -31,7 +32,6 @@ from space.worker.api.models import UsageReport, VMUsage
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-GAP_READINGS = 3  # a longer silence of a worker: its disks' hours are not counted for it
 SETTLE_S = 2.0  # state changes still being committed are this late at most
 CATCH_UP_STEPS = 60  # buckets one round counts at most, when the cursor is behind
 
@@ -45,6 +45,8 @@ class Reading:
     net: tuple[int, int] | None  # (rx, tx)
     traffic: dict[str, tuple[int, int]] = field(default_factory=dict)
     traffic_epoch: str | None = None
+    disk_bytes: int = 0  # what its disk held on the pool, as last read
+    stored_bytes: int = 0  # what its suspended snapshot held
 
 
 def grown(now: float, before: float | None, fresh: bool) -> float:
@@ -86,7 +88,7 @@ class Metering:
                 owner = owners.get(vm.id)
                 if owner is not None:  # a VM the database does not know is no one's
                     readings[vm.id] = self._count(worker, report.at, vm, owner, samples, traffic)
-        counted, until = await self._time(samples)
+        counted, until = await self._time(samples, readings)
         await self.store.record_usage(samples, traffic, counted_until=until)
         # Only what was written is counted as read: after a failed write (the database away)
         # the next round counts from the same readings and the same cursor.
@@ -94,9 +96,12 @@ class Metering:
         if counted:
             log.debug("metering counted %.1f s of time in states", counted)
 
-    async def _time(self, samples: list[UsageSample]) -> tuple[float, datetime | None]:
-        """Time in states (and storage held) from the cursor on, bucket by bucket; how many
-        seconds that was, and the cursor's new place (None: not moved)."""
+    async def _time(
+        self, samples: list[UsageSample], readings: dict[str, Reading]
+    ) -> tuple[float, datetime | None]:
+        """Time in states (and storage held over it: disks and snapshots as last read,
+        checkpoints and volumes as the database has them) from the cursor on, bucket by
+        bucket; how many seconds that was, and the cursor's new place (None: not moved)."""
         start, now = await self.store.usage_window()
         end = now - timedelta(seconds=SETTLE_S)
         if start is None:  # never counted yet: from one bucket ago
@@ -111,10 +116,14 @@ class Metering:
             bucket, seconds = self._bucket(a.timestamp()), (b - a).total_seconds()
             for span in await self.store.time_in_states(a, b):
                 live = span.state != "suspended"
+                held = readings.get(span.sandbox_id)
+                hours = span.seconds / 3600 / GiB
                 figures = Figures(
                     seconds=span.seconds,
                     vcpu_seconds=span.vcpus * span.seconds if live else 0.0,
                     memory_gib_seconds=span.memory_mib / 1024 * span.seconds if live else 0.0,
+                    disk_gib_hours=held.disk_bytes * hours if held and live else 0.0,
+                    snapshot_gib_hours=held.stored_bytes * hours if held and not live else 0.0,
                 )
                 samples.append(UsageSample(bucket, self.resolution_s, span.tenant_id,
                                            span.sandbox_id, "sandbox", span.template, span.state,
@@ -145,10 +154,6 @@ class Metering:
         before = self._last.get(vm.id)
         if before is not None and before.worker != worker:
             before = None  # it moved: its counters are the new worker's
-        if before is not None:
-            seconds = min(max(0.0, at - before.at), self.resolution_s * GAP_READINGS)
-        else:
-            seconds = min(vm.age_s, self.resolution_s)
         # Counters seen for the first time are counted whole only if they started lately (with
         # its VMM): an older sandbox's were counted by the leader before.
         started = vm.vmm_age_s if vm.vmm_age_s is not None else vm.age_s
@@ -178,8 +183,6 @@ class Metering:
         # Time itself (and what was given for it) is counted from state changes (`_time`).
         figures = Figures(
             cpu_seconds=cpu,
-            disk_gib_hours=vm.disk_bytes / GiB * seconds / 3600,
-            snapshot_gib_hours=vm.stored_bytes / GiB * seconds / 3600,
             net_rx_bytes=rx,
             net_tx_bytes=tx,
             egress_bytes=egress,
@@ -187,7 +190,8 @@ class Metering:
         )
         samples.append(UsageSample(bucket, self.resolution_s, owner.tenant_id, vm.id, "sandbox",
                                    owner.template, vm.state, figures))  # fmt: skip
-        return Reading(worker, at, vm.vmm, vm.cpu_seconds, net, hosts, epoch)
+        return Reading(worker, at, vm.vmm, vm.cpu_seconds, net, hosts, epoch, vm.disk_bytes,
+                       vm.stored_bytes)  # fmt: skip
 
     def _bucket(self, at: float) -> datetime:
         start = int(at) // self.resolution_s * self.resolution_s
