@@ -25,7 +25,6 @@ from space.db.store.base import (
     new_id,
     notify,
 )
-from space.db.store.quotas import lock_for
 
 KEY_PREFIX = "sk_space_"
 
@@ -177,14 +176,14 @@ class TenantQueries(Queries):
         return None if row is None else Tenant(row.id, row.name)
 
     async def create_api_key(self, tenant_id: str, name: str = "", admin: bool = False) -> str:
-        """A new key; only its hash is stored, so this is the one time it can be seen."""
+        """A new key; only its hash is stored, so this is the one time it can be seen. (One made
+        for a tenant deleted meanwhile is refused like every key of it: `authenticate`.)"""
         if tenant_id == POOL_TENANT:
             raise ValueError("the warm pools' tenant has no keys")
         key_id = secrets.token_hex(6)
         secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
         key = f"{KEY_PREFIX}{key_id}_{secret}"
         async with self.engine.begin() as c:
-            await lock_for(c, tenant_id, None)  # refused for a tenant deleted meanwhile
             await c.execute(
                 t.api_keys.insert().values(
                     id=key_id,
