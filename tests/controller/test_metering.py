@@ -82,9 +82,8 @@ class Workers:
 
 
 def vm(at: float, **kw: Any) -> UsageReport:
-    fields = {"id": "sb-1", "state": "running", "age_s": 1.0, "vcpus": 2, "memory_mib": 2048,
-              "vmm": 100, "cpu_seconds": 0.0, "net_rx_bytes": 0, "net_tx_bytes": 0,
-              "traffic": {}}  # fmt: skip
+    fields = {"id": "sb-1", "state": "running", "vmm_age_s": 1.0, "vmm": 100,
+              "cpu_seconds": 0.0, "net_rx_bytes": 0, "net_tx_bytes": 0, "traffic": {}}  # fmt: skip
     return UsageReport(at=at, vms=[VMUsage(**{**fields, **kw})])
 
 
@@ -97,14 +96,14 @@ def world() -> tuple[Usage, Workers, Metering]:
 async def test_given_and_used_add_up_over_readings(world: tuple[Usage, Workers, Metering]) -> None:
     store, workers, meter = world
     t0 = 1_000_000.0
-    workers.reports["w1"] = vm(t0, age_s=4.0, cpu_seconds=3.0, net_tx_bytes=500,
+    workers.reports["w1"] = vm(t0, vmm_age_s=4.0, cpu_seconds=3.0, net_tx_bytes=500,
                                traffic={"pypi.org": (100, 1000)})  # fmt: skip
     await meter.once()
     # Young: its counters counted whole.
     assert store.total("sb-1", "cpu_seconds") == 3.0
     assert store.total("sb-1", "net_tx_bytes") == 500
     assert store.total("sb-1", "egress_bytes") == 100
-    workers.reports["w1"] = vm(t0 + RES, age_s=14.0, state="paused", cpu_seconds=5.5,
+    workers.reports["w1"] = vm(t0 + RES, vmm_age_s=14.0, state="paused", cpu_seconds=5.5,
                                net_tx_bytes=800, traffic={"pypi.org": (150, 3000),
                                                           "github.com": (7, 9)})  # fmt: skip
     await meter.once()
@@ -127,7 +126,7 @@ async def test_counters_that_start_again_are_counted_whole(
     workers.reports["w1"] = vm(0.0, cpu_seconds=50.0, net_rx_bytes=10_000)
     await meter.once()
     # A resume: a new VMM, its CPU time from zero; the gateway forgot it (fewer bytes).
-    workers.reports["w1"] = vm(RES, vmm=200, cpu_seconds=60.0, net_rx_bytes=4000, age_s=2)
+    workers.reports["w1"] = vm(RES, vmm=200, cpu_seconds=60.0, net_rx_bytes=4000, vmm_age_s=2)
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 50.0 + 60.0
     assert store.total("sb-1", "net_rx_bytes") == 10_000 + 4000
@@ -138,11 +137,11 @@ async def test_a_new_leader_counts_an_old_sandbox_from_its_first_reading(
 ) -> None:
     store, workers, meter = world
     old = 3600.0  # running for an hour, which the last leader counted
-    workers.reports["w1"] = vm(0.0, age_s=old, cpu_seconds=900.0,
+    workers.reports["w1"] = vm(0.0, vmm_age_s=old, cpu_seconds=900.0,
                                traffic={"pypi.org": (10**6, 10**7)})  # fmt: skip
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 0 and store.total("sb-1", "egress_bytes") == 0
-    workers.reports["w1"] = vm(RES, age_s=old + RES, cpu_seconds=901.0,
+    workers.reports["w1"] = vm(RES, vmm_age_s=old + RES, cpu_seconds=901.0,
                                traffic={"pypi.org": (10**6 + 5, 10**7)})  # fmt: skip
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 1.0 and store.total("sb-1", "egress_bytes") == 5
@@ -165,11 +164,11 @@ async def test_a_silent_worker_loses_nothing_its_sandboxes_used(
     world: tuple[Usage, Workers, Metering],
 ) -> None:
     store, workers, meter = world
-    workers.reports["w1"] = vm(0.0, age_s=0.0, cpu_seconds=1.0)
+    workers.reports["w1"] = vm(0.0, vmm_age_s=0.0, cpu_seconds=1.0)
     await meter.once()
     workers.reports["w1"] = WorkerError(0, "no answer", timed_out=True)
     await meter.once()  # the other worker and the volumes are still counted
-    workers.reports["w1"] = vm(100 * RES, age_s=100 * RES, cpu_seconds=40.0)
+    workers.reports["w1"] = vm(100 * RES, vmm_age_s=100 * RES, cpu_seconds=40.0)
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 40.0  # what it used is counted whole
 
@@ -184,7 +183,7 @@ async def test_a_moved_sandbox_starts_afresh_and_strays_are_no_ones(
     assert store.total("stray-1", "cpu_seconds") == 0 and store.total("sb-1", "cpu_seconds") == 7
     # On the second worker now: a new VMM there (the same pid by chance), counted whole.
     workers.reports["w1"] = UsageReport(at=RES, vms=[])
-    workers.reports["w2"] = vm(RES, age_s=3.0, cpu_seconds=2.0)
+    workers.reports["w2"] = vm(RES, vmm_age_s=3.0, cpu_seconds=2.0)
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 9.0
 
@@ -193,17 +192,17 @@ async def test_a_write_that_failed_is_counted_by_the_next_round(
     world: tuple[Usage, Workers, Metering],
 ) -> None:
     store, workers, meter = world
-    workers.reports["w1"] = vm(0.0, age_s=0.0, cpu_seconds=1.0, traffic={"h": (10, 0)})
+    workers.reports["w1"] = vm(0.0, vmm_age_s=0.0, cpu_seconds=1.0, traffic={"h": (10, 0)})
     await meter.once()
     counted = store.cursor
     store.refuse = True
     store.now += timedelta(seconds=RES)
-    workers.reports["w1"] = vm(RES, age_s=RES, cpu_seconds=4.0, traffic={"h": (30, 0)})
+    workers.reports["w1"] = vm(RES, vmm_age_s=RES, cpu_seconds=4.0, traffic={"h": (30, 0)})
     with pytest.raises(OSError):
         await meter.once()
     assert store.cursor == counted  # the time it would have counted is counted next
     store.now += timedelta(seconds=RES)
-    workers.reports["w1"] = vm(2 * RES, age_s=2 * RES, cpu_seconds=6.0, traffic={"h": (35, 0)})
+    workers.reports["w1"] = vm(2 * RES, vmm_age_s=2 * RES, cpu_seconds=6.0, traffic={"h": (35, 0)})
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 6.0
     assert store.total("sb-1", "egress_bytes") == 35
@@ -227,14 +226,16 @@ async def test_a_round_the_database_refused_is_counted_by_the_next(
         await store.register_worker("w1", "http://w1.invalid", "i", 64, 65536)
         workers = Workers()
         meter = Metering(store, workers, RES)  # type: ignore[arg-type]
-        workers.reports["w1"] = vm(0.0, age_s=0.0, cpu_seconds=1.0, traffic={"h": (10, 0)})
+        workers.reports["w1"] = vm(0.0, vmm_age_s=0.0, cpu_seconds=1.0, traffic={"h": (10, 0)})
         await meter.once()
         embedded.stop(pgdata)
-        workers.reports["w1"] = vm(RES, age_s=RES, cpu_seconds=4.0, traffic={"h": (30, 0)})
+        workers.reports["w1"] = vm(RES, vmm_age_s=RES, cpu_seconds=4.0, traffic={"h": (30, 0)})
         with pytest.raises(OSError):
             await meter.once()
         embedded.start(pgdata)
-        workers.reports["w1"] = vm(2 * RES, age_s=2 * RES, cpu_seconds=6.0, traffic={"h": (35, 0)})
+        workers.reports["w1"] = vm(
+            2 * RES, vmm_age_s=2 * RES, cpu_seconds=6.0, traffic={"h": (35, 0)}
+        )
         await meter.once()
         [(_, state, total)] = [t for t in await store.usage_totals() if t[0] == tenant]
         assert state == "running"
@@ -248,9 +249,10 @@ async def test_a_round_the_database_refused_is_counted_by_the_next(
 async def test_a_worker_restart_and_a_new_leader_count_nothing_twice(
     world: tuple[Usage, Workers, Metering],
 ) -> None:
-    """Its VMs adopted by a worker just restarted look young; their VMMs are not."""
+    """Its VMs just adopted by a restarted worker: their VMMs are old, their counters counted
+    by the leader before."""
     store, workers, meter = world
-    workers.reports["w1"] = vm(0.0, age_s=1.0, vmm_age_s=7200.0, cpu_seconds=5000.0,
+    workers.reports["w1"] = vm(0.0, vmm_age_s=7200.0, cpu_seconds=5000.0,
                                traffic={"h": (10**9, 0)}, traffic_epoch="e1")  # fmt: skip
     await meter.once()
     assert store.total("sb-1", "cpu_seconds") == 0 and store.total("sb-1", "egress_bytes") == 0

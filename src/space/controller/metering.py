@@ -39,7 +39,6 @@ CATCH_UP_STEPS = 60  # buckets one round counts at most, when the cursor is behi
 @dataclass(frozen=True)
 class Reading:
     worker: str
-    at: float
     vmm: int | None
     cpu_seconds: float
     net: tuple[int, int] | None  # (rx, tx)
@@ -156,9 +155,9 @@ class Metering:
             before = None  # it moved: its counters are the new worker's
         # Counters seen for the first time are counted whole only if they started lately (with
         # its VMM): an older sandbox's were counted by the leader before.
-        started = vm.vmm_age_s if vm.vmm_age_s is not None else vm.age_s
-        fresh = before is not None or started <= 2 * self.resolution_s
-        old = before or Reading(worker, at, None, 0.0, None)
+        young = vm.vmm_age_s is not None and vm.vmm_age_s <= 2 * self.resolution_s
+        fresh = before is not None or young
+        old = before or Reading(worker, None, 0.0, None)
         cpu = grown(vm.cpu_seconds, old.cpu_seconds if old.vmm == vm.vmm else None, fresh)
         net, rx, tx = old.net, 0, 0
         if vm.net_rx_bytes is not None and vm.net_tx_bytes is not None:
@@ -190,7 +189,7 @@ class Metering:
         )
         samples.append(UsageSample(bucket, self.resolution_s, owner.tenant_id, vm.id, "sandbox",
                                    owner.template, vm.state, figures))  # fmt: skip
-        return Reading(worker, at, vm.vmm, vm.cpu_seconds, net, hosts, epoch, vm.disk_bytes,
+        return Reading(worker, vm.vmm, vm.cpu_seconds, net, hosts, epoch, vm.disk_bytes,
                        vm.stored_bytes)  # fmt: skip
 
     def _bucket(self, at: float) -> datetime:

@@ -443,13 +443,9 @@ class VMUsage(Answer):
 
     id: str
     state: Literal["running", "paused", "suspended"]
-    age_s: float  # since it was created or adopted on this worker
-    vcpus: int
-    memory_mib: int
     vmm: int | None = None  # its VMM's pid (None: suspended)
     vmm_age_s: float | None = None  # since its VMM started: how long its counters have counted
     cpu_seconds: float = 0.0
-    memory_bytes: int = 0
     disk_bytes: int = 0  # allocated on the pool by its disk
     stored_bytes: int = 0  # allocated on the pool by its suspended snapshot
     net_rx_bytes: int | None = None

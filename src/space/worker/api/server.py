@@ -403,8 +403,7 @@ async def _on_unexpected(request: Request, e: Exception) -> Response:
 def _vm_usage(m: usage.Metered, traffic: dict[str, Traffic] | None) -> VMUsage:
     counted = None if traffic is None else traffic.get(m.id, Traffic("", {}))
     vm = VMUsage(
-        id=m.id, state=m.state, age_s=m.age_s, vcpus=m.vcpus,  # type: ignore[arg-type]
-        memory_mib=m.memory_mib, stored_bytes=m.stored_bytes,
+        id=m.id, state=m.state, stored_bytes=m.stored_bytes,  # type: ignore[arg-type]
         traffic=None if counted is None else counted.hosts,
         traffic_epoch=None if counted is None else counted.epoch,
     )  # fmt: skip
@@ -413,7 +412,7 @@ def _vm_usage(m: usage.Metered, traffic: dict[str, Traffic] | None) -> VMUsage:
     u = m.used
     return vm.model_copy(
         update={"vmm": u.vmm, "vmm_age_s": u.vmm_age_s, "cpu_seconds": u.cpu_seconds,
-                "memory_bytes": u.memory_bytes, "disk_bytes": u.disk_bytes,
+                "disk_bytes": u.disk_bytes,
                 "net_rx_bytes": u.net_rx_bytes, "net_tx_bytes": u.net_tx_bytes}
     )  # fmt: skip
 

@@ -105,15 +105,12 @@ async def measure(sb: SandboxVM, net: SandboxNetwork | None) -> Usage:
 
 @dataclass(frozen=True)
 class Metered:
-    """One sandbox as metering sees it: what it was given, what it used (live), or what its
-    snapshot holds on disk (suspended)."""
+    """One sandbox as metering sees it: what it used (live), or what its snapshot holds on disk
+    (suspended)."""
 
     id: str
     state: str  # running (unresponsive ones too: their VMM holds what they were given), paused,
     # or suspended
-    age_s: float  # since it was created or adopted on this worker
-    vcpus: int
-    memory_mib: int
     used: Usage | None = None
     stored_bytes: int = 0  # allocated on the pool by its suspended snapshot
 
@@ -125,14 +122,12 @@ def _stored(directory: Path) -> int:
 async def meter(sb: SandboxVM, net: SandboxNetwork | None, suspended: Path) -> Metered | None:
     """None for a VM in error (nothing runs, nothing is held beyond its disk) or gone."""
     state = {"unresponsive": "running"}.get(sb.state, sb.state)
-    age = time.monotonic() - sb.since
-    vcpus, memory = sb.spec.vcpus, sb.spec.memory_mib
     try:
         if state == "suspended":
             stored = await asyncio.to_thread(_stored, suspended / sb.id)
-            return Metered(sb.id, state, age, vcpus, memory, stored_bytes=stored)
+            return Metered(sb.id, state, stored_bytes=stored)
         if state not in ("running", "paused"):
             return None
-        return Metered(sb.id, state, age, vcpus, memory, used=await measure(sb, net))
+        return Metered(sb.id, state, used=await measure(sb, net))
     except (WrongState, OSError, LookupError):  # it changed or went away meanwhile
         return None
