@@ -3,12 +3,17 @@ duties that change a machine are refused by an agent that is not a VM's init."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 
 from space.guest import protocol as p
+from space.worker.agent_channels import SendWindow
 from space.worker.agent_client import AgentClient, AgentError
 
 from .conftest import AgentProcess
@@ -89,3 +94,52 @@ async def test_the_agent_never_sends_a_reply_the_host_would_refuse(agent: AgentC
     with pytest.raises(AgentError) as e:
         await agent.call("stat", path="/" + "x" * (p.MAX_JSON + 10))
     assert "the reply would be" in e.value.message and len(e.value.message) < 200
+
+
+async def test_input_a_process_does_not_read_waits_on_the_host(
+    agent: AgentClient, agent_process: AgentProcess
+) -> None:
+    """The agent holds at most a window of a process's input: the rest waits here, and the
+    process can still be signalled meanwhile."""
+    proc = await agent.exec(["sleep", "60"], stdin=True)
+    before = agent_process.rss_kib()
+    writing = asyncio.ensure_future(proc.write(os.urandom(64 << 20)))
+    await asyncio.sleep(2)
+    assert not writing.done()  # held back by the window, not swallowed by the agent
+    assert agent_process.rss_kib() - before < 2 * (p.DATA_WINDOW >> 10) + 8192
+    await proc.signal(signal.SIGKILL)
+    assert (await proc.wait()).signal == signal.SIGKILL
+    with pytest.raises(AgentError):
+        await asyncio.wait_for(writing, 10)  # the process ended: so did what waited for it
+
+
+async def test_input_read_slowly_arrives_whole_within_the_window(agent: AgentClient) -> None:
+    data = os.urandom(8 << 20)
+    # Reads 64 KiB every 10 ms: the writer goes at the reader's pace, nothing is lost.
+    slow = (
+        "import sys, time, hashlib\nh = hashlib.sha256()\n"
+        "while b := sys.stdin.buffer.read(65536):\n    h.update(b)\n    time.sleep(0.01)\n"
+        "print(h.hexdigest())"
+    )
+    r = await agent.run([sys.executable, "-c", slow], input=data, timeout=60)
+    assert r.stdout.decode().strip() == hashlib.sha256(data).hexdigest()
+
+
+async def test_a_file_is_written_within_the_window(
+    agent: AgentClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent acknowledges what it wrote: 32 MiB pass a 1 MiB window, the client never
+    having more of it unacknowledged, and the file arrives whole."""
+    most = 0
+    take = SendWindow.take
+
+    async def counted(window: SendWindow, n: int) -> None:
+        nonlocal most
+        await take(window, n)
+        most = max(most, window._in_flight)
+
+    monkeypatch.setattr(SendWindow, "take", counted)
+    data = os.urandom(32 << 20)
+    assert await agent.write_file(str(tmp_path / "f"), data) == len(data)
+    assert (tmp_path / "f").read_bytes() == data
+    assert 0 < most <= p.DATA_WINDOW

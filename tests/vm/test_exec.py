@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import signal
@@ -57,6 +58,38 @@ async def test_stdin_is_piped(machine: Machine) -> None:
     data = os.urandom(1 << 20)
     r = await machine.agent.run(["sha256sum"], input=data)
     assert r.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest()
+
+
+async def test_input_larger_than_the_guests_memory_passes_through_whole(machine: Machine) -> None:
+    """The host sends input no faster than the process takes it: 320 MiB through a 256 MiB
+    guest arrive whole, and the agent never holds more than a window of them."""
+    digest = hashlib.sha256()
+    proc = await machine.agent.exec(["sha256sum"], stdin=True)
+    block = os.urandom(1 << 20)
+
+    async def feed() -> None:
+        for i in range(320):
+            piece = block[:-1] + bytes([i % 256])
+            digest.update(piece)
+            await proc.write(piece)
+        await proc.close_stdin()
+
+    _, r = await asyncio.gather(feed(), proc.wait())
+    assert r.exit_code == 0 and r.stdout.split()[0].decode() == digest.hexdigest()
+
+
+async def test_input_a_process_does_not_read_stays_on_the_host(machine: Machine) -> None:
+    proc = await machine.agent.exec(["sleep", "120"], stdin=True)
+    writing = asyncio.ensure_future(proc.write(bytes(128 << 20)))
+    await asyncio.sleep(3)
+    assert not writing.done()
+    status = (await machine.agent.run(["cat", "/proc/1/status"])).stdout.decode()
+    rss_kib = int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1])
+    assert rss_kib < 48 << 10, f"the agent holds {rss_kib} KiB"
+    await proc.signal(signal.SIGKILL)  # the held-back input does not hold the signal back
+    assert (await proc.wait()).signal == signal.SIGKILL
+    with pytest.raises(AgentError):
+        await asyncio.wait_for(writing, 30)
 
 
 async def test_timeout_kills_the_process_and_says_so(machine: Machine) -> None:

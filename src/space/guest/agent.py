@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
 from . import files, reserve, storage, system, tcp, trust, watch
 from . import protocol as p
@@ -46,15 +47,72 @@ HOST_POLL_S = 0.5  # a disconnected virtio port is checked this often even witho
 HOST_LEFT = "the host left the agent's port"
 
 
+class Reader(Protocol):
+    async def read_parts(self, n: int) -> list[bytes]:
+        """Up to about `n` bytes that came from the host, at least one; none once it left."""
+        ...
+
+
+class StreamParts:
+    """A stream's reader as a `Reader` (vsock, a unix socket)."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+
+    async def read_parts(self, n: int) -> list[bytes]:
+        data = await self.reader.read(n)
+        return [data] if data else []
+
+
+class PortReader:
+    """The host's bytes from a virtio-serial port (non-blocking). A read(2) there gives at most
+    one of the port's 4 KiB buffers, and a trip round the event loop per buffer bounded what the
+    host could send to ~10 MB/s under TCG: each wake-up takes all the buffers there are, up to
+    what was asked, in one go."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    async def read_parts(self, n: int) -> list[bytes]:
+        """The buffers there are, up to `n` bytes (unjoined: the decoder copies once)."""
+        while True:
+            parts: list[bytes] = []
+            size = 0
+            while size < n:
+                try:
+                    part = os.read(self.fd, n - size)
+                except BlockingIOError:
+                    break
+                if not part:  # the host closed its side
+                    return parts
+                parts.append(part)
+                size += len(part)
+            if parts:
+                return parts
+            await self._readable()
+
+    async def _readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(self.fd, wake)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(self.fd)
+
+
 # --- one host connection --------------------------------------------------------------------
 
 
 class Connection:
     """Serves one host connection: authentication, then concurrent operations on channels."""
 
-    def __init__(
-        self, agent: Agent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    def __init__(self, agent: Agent, reader: Reader, writer: asyncio.StreamWriter) -> None:
         self.agent = agent
         self.reader = reader
         self.writer = writer
@@ -85,11 +143,12 @@ class Connection:
         decoder = p.FrameDecoder()
         try:
             while True:
-                data = await self.reader.read(p.CHUNK_SIZE)
-                if not data:
+                parts = await self.reader.read_parts(p.CHUNK_SIZE)
+                if not parts:
                     return
-                for ftype, channel, payload in decoder.feed(data):
-                    await self._dispatch(ftype, channel, payload)
+                for data in parts:
+                    for ftype, channel, payload in decoder.feed(data):
+                        await self._dispatch(ftype, channel, payload)
         except (ConnectionError, OSError):
             return
         finally:
@@ -252,7 +311,7 @@ class Agent:
     async def serve_stream(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        conn = Connection(self, reader, writer)
+        conn = Connection(self, StreamParts(reader), writer)
         try:
             await conn.serve()
         finally:
@@ -279,20 +338,14 @@ class Agent:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(host_changed.wait(), HOST_POLL_S)
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-            reader = asyncio.StreamReader(limit=p.MAX_PAYLOAD * 4)
-            rtrans, _ = await loop.connect_read_pipe(
-                lambda r=reader: asyncio.StreamReaderProtocol(r),  # type: ignore[misc]
-                os.fdopen(os.dup(fd), "rb", buffering=0),
-            )
             wtrans, wproto = await loop.connect_write_pipe(
                 lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
                 os.fdopen(os.dup(fd), "wb", buffering=0),
             )
             writer = asyncio.StreamWriter(wtrans, wproto, None, loop)
             try:
-                await Connection(self, reader, writer).serve()
+                await Connection(self, PortReader(fd), writer).serve()
             finally:
-                rtrans.close()
                 wtrans.abort()
             log(HOST_LEFT)
 

@@ -93,7 +93,7 @@ async def write_file(conn: Connection, channel: int, req: Json) -> Json:
     except OSError as e:
         raise os_error(e, path) from None
     queue = conn.inboxes[channel]
-    await conn.send_json(p.FrameType.EVENT, channel, {"ready": True})
+    await conn.send_json(p.FrameType.EVENT, channel, {"ready": True, "window": p.DATA_WINDOW})
     written = 0
     failure: OpError | None = None
     try:
@@ -101,16 +101,18 @@ async def write_file(conn: Connection, channel: int, req: Json) -> Json:
             ftype, data = await queue.get()
             if ftype == p.FrameType.END:
                 break
-            if ftype != p.FrameType.DATA or failure is not None:
-                continue  # after a failure, drain the host's data until its END
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                written += len(data)
-            except OSError as e:
-                failure = os_error(e, path)
+            if ftype != p.FrameType.DATA:
+                continue
+            if failure is None:  # after a failure, drain the host's data until its END
+                try:
+                    view = memoryview(data)
+                    while view:
+                        n = os.write(fd, view)
+                        view = view[n:]
+                    written += len(data)
+                except OSError as e:
+                    failure = os_error(e, path)
+            await conn.send_json(p.FrameType.EVENT, channel, {"ack": len(data)})
         if failure is None:
             os.fchmod(fd, mode)
             os.fsync(fd)

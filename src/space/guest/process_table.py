@@ -106,25 +106,39 @@ async def follow(conn: Connection, channel: int, proc: Process, *, replay: bool)
         }  # fmt: skip
         if replay:
             started["dropped"] = proc.ring.dropped
+        if proc.stdin is not None:
+            started["window"] = p.DATA_WINDOW
         await conn.send_json(p.FrameType.EVENT, channel, started)
         if replay:
             for ftype, data in proc.ring:
                 await conn.send(ftype, channel, data)
         proc.listeners.append(me)
     detached = asyncio.Event()
+    taken: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # input: (its end, its size)
 
     async def feed() -> None:
         while True:
-            ctl = proc.on_frame(*await inbox.get())
+            ftype, payload = await inbox.get()
+            ctl = proc.on_frame(ftype, payload)
+            if ftype == p.FrameType.STDIN and proc.stdin is not None:
+                taken.put_nowait((proc.stdin.taken, len(payload)))
             if ctl is not None and ctl.get("detach") is True:
                 detached.set()
 
+    async def acknowledge() -> None:
+        """Each piece of input once the process has it: the host's window opens again."""
+        while True:
+            end, size = await taken.get()
+            if proc.stdin is not None:
+                await proc.stdin.reached(end)
+            await conn.send_json(p.FrameType.EVENT, channel, {"ack": size})
+
     waits = [asyncio.ensure_future(e.wait()) for e in (proc.done, detached, conn.gone)]
-    feeder = asyncio.ensure_future(feed())
+    helpers = [asyncio.ensure_future(feed()), asyncio.ensure_future(acknowledge())]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (*waits, feeder):
+        for task in (*waits, *helpers):
             task.cancel()
         async with proc.output_lock:
             if me in proc.listeners:

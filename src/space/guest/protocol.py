@@ -27,7 +27,9 @@ Operations ("op", then the request's fields; → the REPLY; ⇄ what flows on th
 
   ping, info                         → {} | {kernel, hostname, boot_id, time_ns, uptime_s, ...}
   exec {argv | cmd, env?, cwd?, user?, timeout?, stdin?, pty?, rows?, cols?, max_output?}
-      ⇄ EVENT {pid} first; STDOUT/STDERR out, STDIN/END in, CONTROL {signal} | {resize}
+      ⇄ EVENT {pid, window?} first; STDOUT/STDERR out, STDIN/END in, CONTROL {signal} | {resize};
+        with `window`, EVENT {ack: n} once n bytes of STDIN reached the process (a host keeps
+        at most `window` bytes unacknowledged: input waits for a slow reader on the host)
       → {exit_code, signal, timed_out, truncated, duration_ms}. With max_output, the process is
         killed once a stream passed that many bytes, which is where that stream is cut.
         CONTROL {detach} ends the channel with {detached, pid} and leaves the process running.
@@ -41,7 +43,8 @@ Operations ("op", then the request's fields; → the REPLY; ⇄ what flows on th
         that ended
   control {pid | tag, stdin? (base64), eof?, signal?, resize? [rows, cols]}  → {}
   read_file {path}                   ⇄ EVENT {size}, DATA…, END → {size}
-  write_file {path, mode?, make_parents?}  ⇄ EVENT {ready}, DATA… END in → {size} (atomic)
+  write_file {path, mode?, make_parents?}  ⇄ EVENT {ready, window}, DATA… END in → {size}
+        (atomic); EVENT {ack: n} once n bytes were written, `window` unacknowledged at most
   list_dir {path, limit? (1-10000, 1000)}  → {entries, truncated}: in name order, at most
         `limit` and as many as fit MAX_JSON
   stat, remove {recursive?}, mkdir {parents?, mode?} {path}  → an entry | {}
@@ -80,6 +83,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,7 +94,8 @@ MAX_PAYLOAD = 1 << 20  # no frame is larger; a host refuses one whose header say
 MAX_JSON = 256 * 1024  # no REPLY or EVENT is larger
 CHUNK_SIZE = 256 * 1024
 TCP_WINDOW = 1 << 20  # bytes of a tcp_connect channel in flight in either direction
-PROTOCOL_VERSION = 3
+DATA_WINDOW = 4 << 20  # bytes of a file or of a process's input in flight towards the agent
+PROTOCOL_VERSION = 4
 AGENT_PORT_NAME = "space.agent"  # virtio-serial port name the agent looks for
 AGENT_VSOCK_PORT = 1024
 
@@ -166,25 +171,31 @@ class FrameDecoder:
 
     `strict` (the host, once it has found its WELCOME: the stream is in step from there on)
     raises ProtocolError instead of skipping, so a bad header is never waited out; no frame
-    longer than `max_payload` is ever buffered either way."""
+    longer than `max_payload` is ever buffered either way.
+
+    What is fed is kept as it came, unjoined: a payload is copied once, when it is whole (not
+    at all if it came as one piece), which is what bounds the agent's input under TCG."""
 
     def __init__(self, *, strict: bool = False, max_payload: int = MAX_PAYLOAD) -> None:
-        self._buf = bytearray()
+        self._parts: deque[bytes] = deque()  # fed and not yet decoded, from `_at` of the first
+        self._at = 0
+        self._size = 0
         self._strict = strict
         self._max_payload = max_payload
         self.skipped = 0  # bytes discarded while resynchronising
 
     def feed(self, data: bytes) -> Iterator[tuple[FrameType, int, bytes]]:
-        self._buf += data
-        while True:
-            if len(self._buf) < HEADER_SIZE:
-                return
-            if self._buf[:2] != MAGIC or self._buf[2] not in _VALID_TYPES:
+        if data:
+            self._parts.append(data)
+            self._size += len(data)
+        while self._size >= HEADER_SIZE:
+            head = self._peek(HEADER_SIZE)
+            if head[:2] != MAGIC or head[2] not in _VALID_TYPES:
                 if self._strict:
-                    raise ProtocolError(f"not a frame header: {bytes(self._buf[:HEADER_SIZE])!r}")
+                    raise ProtocolError(f"not a frame header: {head!r}")
                 self._resync()
                 continue
-            _, ftype, _flags, channel, length = HEADER.unpack_from(self._buf)
+            _, ftype, _flags, channel, length = HEADER.unpack_from(head)
             if length > self._max_payload:
                 if self._strict:
                     raise ProtocolError(
@@ -192,18 +203,56 @@ class FrameDecoder:
                     )
                 self._resync()
                 continue
-            end = HEADER_SIZE + length
-            if len(self._buf) < end:
+            if self._size < HEADER_SIZE + length:
                 return
-            payload = bytes(self._buf[HEADER_SIZE:end])
-            del self._buf[:end]
-            yield FrameType(ftype), channel, payload
+            self._take(HEADER_SIZE)
+            yield FrameType(ftype), channel, self._take(length)
+
+    def _peek(self, n: int) -> bytes:
+        first = self._parts[0]
+        if len(first) - self._at >= n:
+            return first[self._at : self._at + n]
+        return b"".join(self._pieces(n))
+
+    def _take(self, n: int) -> bytes:
+        """The next `n` bytes (n <= what is held), dropped from what is held."""
+        if n == 0:
+            return b""
+        first = self._parts[0]
+        if self._at == 0 and len(first) == n:  # a whole piece: no copy
+            self._parts.popleft()
+            self._size -= n
+            return first
+        taken = b"".join(self._pieces(n))
+        self._size -= n
+        while n:
+            left = len(self._parts[0]) - self._at
+            if n < left:
+                self._at += n
+                break
+            n -= left
+            self._parts.popleft()
+            self._at = 0
+        return taken
+
+    def _pieces(self, n: int) -> Iterator[memoryview]:
+        at = self._at
+        for part in self._parts:
+            if n <= 0:
+                return
+            piece = memoryview(part)[at : at + n]
+            yield piece
+            n -= len(piece)
+            at = 0
 
     def _resync(self) -> None:
-        at = self._buf.find(MAGIC, 1)
-        drop = at if at > 0 else max(len(self._buf) - 1, 1)
+        held = self._take(self._size)
+        at = held.find(MAGIC, 1)
+        drop = at if at > 0 else max(len(held) - 1, 1)
         self.skipped += drop
-        del self._buf[:drop]
+        if rest := held[drop:]:
+            self._parts.append(rest)
+            self._size = len(rest)
 
 
 _VALID_TYPES = frozenset(int(t) for t in FrameType)

@@ -31,6 +31,9 @@ class FdWriter:
         self._buf = bytearray()
         self._closing = False
         self._closed = False
+        self.taken = 0  # bytes accepted by `write`
+        self.written = 0  # of which the process has them
+        self._progress = asyncio.Event()
         os.set_blocking(fd, False)
 
     def write(self, data: bytes) -> None:
@@ -40,8 +43,15 @@ class FdWriter:
             raise OpError(p.ErrorCode.INVALID, "stdin buffer overflow: the process reads no input")
         was_empty = not self._buf
         self._buf += data
+        self.taken += len(data)
         if was_empty:
             self._flush()
+
+    async def reached(self, offset: int) -> None:
+        """Once the first `offset` bytes taken are written (or never will be: closed)."""
+        while self.written < offset and not self._closed:
+            self._progress.clear()
+            await self._progress.wait()
 
     def close(self) -> None:
         self._closing = True
@@ -53,6 +63,8 @@ class FdWriter:
         try:
             n = os.write(self.fd, self._buf)
             del self._buf[:n]
+            self.written += n
+            self._progress.set()
         except BlockingIOError:
             pass
         except OSError:  # the reader went away: what is left can never be delivered
@@ -75,6 +87,7 @@ class FdWriter:
     def _close_now(self) -> None:
         if not self._closed:
             self._closed = True
+            self._progress.set()
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_writer(self.fd)
             os.close(self.fd)

@@ -150,6 +150,73 @@ class Channel:
         raise AgentProtocolError("protocol", f"{what}: a {ftype.name} frame before its start")
 
 
+class SendWindow:
+    """Our bytes in flight on a channel whose agent tells what it consumed (EVENT {"ack": n}):
+    a sender waits while `size` of them are unacknowledged, so the guest never holds more than
+    that of ours for a slow consumer (its disk, a process that reads slowly, a socket)."""
+
+    def __init__(self, channel: Channel, size: int, idle: float | None, what: str) -> None:
+        self._ch = channel
+        self.size = size
+        self._idle = idle
+        self._what = what
+        self._in_flight = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    @classmethod
+    def offered(
+        cls, channel: Channel, started: dict[str, Any], idle: float | None, what: str
+    ) -> SendWindow | None:
+        """The window an operation's first event offers, taking its acknowledgements as they
+        come; None from an agent that offers none (an older one), which is then sent to freely."""
+        size = started.get("window")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            return None
+        window = cls(channel, size, idle, what)
+        channel.intercept = window.on_frame
+        return window
+
+    def on_frame(self, ftype: p.FrameType, payload: bytes) -> bool:
+        """Takes an acknowledgement (True: the frame was one)."""
+        if ftype != p.FrameType.EVENT:
+            return False
+        try:
+            ack = p.decode_json(payload).get("ack")
+        except p.ProtocolError:
+            return False
+        if not isinstance(ack, int) or isinstance(ack, bool):
+            return False
+        self.acked(ack)
+        return True
+
+    def acked(self, n: int) -> None:
+        if n > 0:
+            self._in_flight = max(0, self._in_flight - n)
+            self._room.set()
+
+    def wake(self) -> None:
+        """Let a waiting sender see that the channel ended."""
+        self._room.set()
+
+    async def take(self, n: int) -> None:
+        """Room for `n` more bytes (one piece at most `size`); the channel's error, or "closed",
+        if it ends meanwhile."""
+        while self._in_flight and self._in_flight + n > self.size:
+            if self._ch.reply.done():
+                await self._ch.result()
+                raise AgentError("closed", f"{self._what}: it has ended")
+            self._room.clear()
+            room = asyncio.ensure_future(self._room.wait())
+            try:
+                futures: list[asyncio.Future[Any]] = [room, self._ch.reply]
+                either = asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+                await within(either, self._idle, self._what)
+            finally:
+                room.cancel()
+        self._in_flight += n
+
+
 # --- processes -------------------------------------------------------------------------------
 
 
@@ -188,6 +255,8 @@ class ExecProcess:
         self.background = started.get("background") is True
         dropped = started.get("dropped")
         self.dropped = dropped if isinstance(dropped, int) else 0  # output the ring lost
+        # Input waits while the process has not read a window's worth, as a pipe's writer would.
+        self._stdin = SendWindow.offered(channel, started, None, f"process {pid}'s input")
 
     async def detach(self) -> None:
         """Stop following the process, which runs on; `wait()` then raises ProcessDetached."""
@@ -195,7 +264,10 @@ class ExecProcess:
 
     async def write(self, data: bytes) -> None:
         for i in range(0, len(data), p.CHUNK_SIZE):
-            await self._ch.send(p.FrameType.STDIN, data[i : i + p.CHUNK_SIZE])
+            piece = data[i : i + p.CHUNK_SIZE]
+            if self._stdin is not None:
+                await self._stdin.take(len(piece))
+            await self._ch.send(p.FrameType.STDIN, piece)
 
     async def close_stdin(self) -> None:
         await self._ch.send(p.FrameType.END)

@@ -34,6 +34,7 @@ from space.worker.agent_channels import (
     Channel,
     ExecProcess,
     ExecResult,
+    SendWindow,
     field,
     within,
 )
@@ -265,12 +266,16 @@ class AgentClient(AgentConnection):
         args = {"path": path, "mode": mode, "make_parents": make_parents}
         ch = await self._open("write_file", args)
         try:
-            await ch.first_event(START_DEADLINE_S, f"writing {path}")
+            ready = await ch.first_event(START_DEADLINE_S, f"writing {path}")
+            window = SendWindow.offered(ch, ready, IDLE_DEADLINE_S, f"writing {path}")
             async for chunk in _chunks(data):
                 if ch.reply.done():
                     break  # the agent gave up (e.g. disk full); its reply says why
                 for i in range(0, len(chunk), p.CHUNK_SIZE):
-                    await ch.send(p.FrameType.DATA, chunk[i : i + p.CHUNK_SIZE])
+                    piece = chunk[i : i + p.CHUNK_SIZE]
+                    if window is not None:
+                        await window.take(len(piece))
+                    await ch.send(p.FrameType.DATA, piece)
             await ch.send(p.FrameType.END)
             return field(await ch.result(IDLE_DEADLINE_S, f"writing {path}"), "size", int)
         finally:

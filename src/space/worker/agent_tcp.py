@@ -8,11 +8,9 @@ here, however slowly it is read.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from space.guest import protocol as p
 from space.worker.agent_channels import (
@@ -20,6 +18,7 @@ from space.worker.agent_channels import (
     AgentError,
     AgentProtocolError,
     Channel,
+    SendWindow,
     field,
     within,
 )
@@ -51,9 +50,9 @@ class TcpStream:
     def __init__(self, channel: Channel, idle_timeout: float | None) -> None:
         self._ch = channel
         self._idle = idle_timeout
-        self._in_flight = 0  # bytes we sent that the agent has not written to the socket yet
-        self._room = asyncio.Event()
-        self._room.set()
+        # Bytes we sent that the agent has not written to the socket yet.
+        self._window = SendWindow(channel, p.TCP_WINDOW, idle_timeout,
+                                  "writing to a guest TCP connection")  # fmt: skip
         self._held = 0  # bytes queued here for our reader: the agent's credit is what is left
         self._unacked = 0  # bytes our reader took that the agent has not been told of
         self._eof = False
@@ -65,14 +64,7 @@ class TcpStream:
         """Acknowledgements are taken as they come (a writer waits for them while our reader may
         be busy elsewhere); the guest's data is counted against its window."""
         if ftype == p.FrameType.EVENT and self._connected:
-            try:
-                ack = p.decode_json(payload).get("ack")
-            except p.ProtocolError:
-                ack = None
-            if isinstance(ack, int) and not isinstance(ack, bool) and ack > 0:
-                self._in_flight = max(0, self._in_flight - ack)
-                if self._in_flight < p.TCP_WINDOW:
-                    self._room.set()
+            self._window.on_frame(ftype, payload)
             return True
         if ftype == p.FrameType.EVENT:
             self._connected = True  # the first event, {"connected": true}, for tcp_connect
@@ -91,7 +83,7 @@ class TcpStream:
             self._ch.reply.exception()  # retrieved: nobody may be waiting for it
         self._ch.drop()
         self._ch.close_frames()
-        self._room.set()
+        self._window.wake()
         self._ch.client._spawn(self._ch.send_json(p.FrameType.CONTROL, {"close": True}))
 
     async def read(self) -> bytes:
@@ -125,23 +117,8 @@ class TcpStream:
             raise AgentError("invalid", "our side of the connection is closed")
         for i in range(0, len(data), p.CHUNK_SIZE):
             chunk = data[i : i + p.CHUNK_SIZE]
-            await self._wait_for_room(len(chunk))
-            self._in_flight += len(chunk)
+            await self._window.take(len(chunk))
             await self._ch.send(p.FrameType.DATA, chunk)
-
-    async def _wait_for_room(self, need: int) -> None:
-        while self._in_flight + need > p.TCP_WINDOW:
-            if self._ch.reply.done():
-                await self._ch.result()  # the stream ended: its error, if any
-                raise AgentError("closed", "the guest TCP connection has ended")
-            self._room.clear()
-            room = asyncio.ensure_future(self._room.wait())
-            try:
-                futures: list[asyncio.Future[Any]] = [room, self._ch.reply]
-                either = asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
-                await within(either, self._idle, "writing to a guest TCP connection")
-            finally:
-                room.cancel()
 
     async def close_write(self) -> None:
         """Half-close: the guest's side reads its end; it may go on sending."""

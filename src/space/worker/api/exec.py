@@ -32,6 +32,7 @@ T = TypeVar("T")
 WS_FIRST_MESSAGE_S = 30.0
 STDOUT_TAG, STDERR_TAG = b"\x01", b"\x02"
 WS_FRAME = 32 << 10  # output per message; WebSocket clients often refuse messages over 64 KiB
+WS_INPUT_QUEUE = 16  # messages of input read ahead of a process slow to take them
 
 
 class ExecRoutes:
@@ -40,12 +41,15 @@ class ExecRoutes:
 
     async def exec(self, request: Request) -> Response:
         body = await read_body(ExecRequest, request)
+        options = agent_options(body)
         if body.pty:
-            raise Problem(400, "a PTY needs the interactive WebSocket: /vms/{id}/exec/ws")
+            # A background process's terminal takes its input through its process routes.
+            if not body.background:
+                raise Problem(400, "a PTY needs the interactive WebSocket (/vms/{id}/exec/ws) "
+                                   "or a background process")  # fmt: skip
+            options.update(pty=True, rows=body.rows, cols=body.cols)
         try:
-            proc = await self.api.manager.exec(
-                self.api._vm_id(request), body.command, **agent_options(body)
-            )
+            proc = await self.api.manager.exec(self.api._vm_id(request), body.command, **options)
         except AgentConnectionLost:
             raise
         except AgentError as e:
@@ -169,7 +173,8 @@ def _error_event(e: AgentError | Problem) -> dict[str, Any]:
     if isinstance(e, Problem):
         code = HTTPStatus(e.status).phrase.lower().replace(" ", "_")
         return {"type": "error", "code": code, "message": e.detail, "status": e.status}
-    return {"type": "error", "code": e.code, "message": e.message}
+    return {"type": "error", "code": e.code, "message": e.message,
+            "status": AGENT_STATUS.get(e.code, 502)}  # fmt: skip
 
 
 async def leave(proc: ExecProcess) -> None:
@@ -245,20 +250,44 @@ async def _ws_output(ws: WebSocket, proc: ExecProcess) -> None:
 
 
 async def _ws_input(ws: WebSocket, proc: ExecProcess) -> None:
-    """Until the client leaves: its stdin and control messages, passed to the process."""
+    """Until the client leaves: its stdin and control messages, passed to the process. Input
+    goes through a task of its own, in order: a process slow to read it holds back its input
+    (`ExecProcess.write` waits), not a signal or a resize sent after it."""
+    inputs: asyncio.Queue[bytes | None] = asyncio.Queue(WS_INPUT_QUEUE)  # None: its end
+    writer = asyncio.ensure_future(_write_input(proc, inputs))
+    try:
+        await _ws_messages(ws, proc, inputs)
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, AgentError):
+            await writer
+
+
+async def _write_input(proc: ExecProcess, inputs: asyncio.Queue[bytes | None]) -> None:
+    while True:
+        data = await inputs.get()
+        if data is None:
+            await proc.close_stdin()
+        else:
+            await proc.write(data)
+
+
+async def _ws_messages(
+    ws: WebSocket, proc: ExecProcess, inputs: asyncio.Queue[bytes | None]
+) -> None:
     while True:
         message = await ws.receive()
         if message["type"] == "websocket.disconnect":
             return
         if message.get("bytes") is not None:
-            await proc.write(message["bytes"])
+            await inputs.put(message["bytes"])
             continue
         try:
             ctl = json.loads(message.get("text") or "")
             if not isinstance(ctl, dict):
                 raise ValueError("not an object")
             if ctl.get("eof") is True:
-                await proc.close_stdin()
+                await inputs.put(None)
             elif isinstance(ctl.get("signal"), int) and 0 < ctl["signal"] < 65:
                 await proc.signal(ctl["signal"])
             elif _is_size(ctl.get("resize")):
