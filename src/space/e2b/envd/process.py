@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from connectrpc.code import Code
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 from space.api.deps import Services
 from space.api.errors import validation_detail
 from space.api.schemas import ExecRequest as PublicExecRequest
-from space.e2b.envd.target import Target, errors, keepalive_s, oneof, paced, resolve
+from space.e2b.envd.target import Target, code_for, errors, keepalive_s, oneof, paced, resolve
 from space.e2b.proto.process.process_connect import Process
 from space.e2b.proto.process.process_pb import (
     CloseStdinRequest,
@@ -43,7 +44,14 @@ from space.e2b.proto.process.process_pb import (
     UpdateRequest,
     UpdateResponse,
 )
-from space.worker.api.models import ExecExit, ExecFailed, ExecOutput, ExecRequest, TerminalSize
+from space.worker.api.models import (
+    ExecEvent,
+    ExecExit,
+    ExecOutput,
+    ExecRequest,
+    ExecStart,
+    TerminalSize,
+)
 from space.worker.api.models import ProcessInfo as SpaceProcess
 
 Event = ProcessEvent
@@ -124,36 +132,42 @@ class ProcessService(Process):
         return await resolve(self.services(), ctx.request_headers)
 
     async def _follow(
-        self, ctx: RequestContext[Any, Any], t: Target, pid: int, replay: bool, pty: bool
+        self,
+        ctx: RequestContext[Any, Any],
+        opened: AbstractAsyncContextManager[AsyncIterator[ExecEvent]],
+        pty: bool,
     ) -> AsyncIterator[Event]:
         """The process's start, then its output as it comes, then its end."""
-        yield Event(event=oneof("start", Event.StartEvent(pid=pid)))
+        started = False
         with errors():
             async with contextlib.AsyncExitStack() as stack:
-                events = await stack.enter_async_context(
-                    t.svc.workers.process_events(t.worker, t.sandbox_id, str(pid), replay)
-                )
+                events = await stack.enter_async_context(opened)
                 paced_ = paced(events, keepalive_s(ctx.request_headers))
                 async for ev in await stack.enter_async_context(contextlib.aclosing(paced_)):
                     if ev is None:
-                        yield KEEPALIVE
+                        if started:  # the SDKs take the first event for the start
+                            yield KEEPALIVE
+                    elif isinstance(ev, ExecStart):
+                        started = True
+                        yield Event(event=oneof("start", Event.StartEvent(pid=ev.pid)))
                     elif isinstance(ev, ExecOutput):
                         output = oneof("pty" if pty else ev.type, ev.raw)
                         yield Event(event=oneof("data", Event.DataEvent(output=output)))
                     elif isinstance(ev, ExecExit):
                         yield ended(ev)
                         return
-                    elif isinstance(ev, ExecFailed):
-                        raise ConnectError(Code.INTERNAL, ev.message)
+                    else:
+                        raise ConnectError(code_for(ev.status or 502), ev.message)
 
     async def start(
         self, request: StartRequest, ctx: RequestContext[StartRequest, StartResponse]
     ) -> AsyncIterator[StartResponse]:
+        """Started in the background and followed in one call to its worker: the process
+        outlives this stream, as under E2B's daemon."""
         t = await self._target(ctx)
         req = exec_request(t, request, ctx.timeout_ms)
-        with errors():
-            started = await t.svc.workers.start_process(t.worker, t.sandbox_id, req)
-        async for ev in self._follow(ctx, t, started.pid, replay=True, pty=req.pty):
+        opened = t.svc.workers.exec_events(t.worker, t.sandbox_id, req)
+        async for ev in self._follow(ctx, opened, pty=req.pty):
             yield StartResponse(event=ev)
 
     async def connect(
@@ -164,7 +178,8 @@ class ProcessService(Process):
             p = await t.svc.workers.process(t.worker, t.sandbox_id, ref_of(request.process))
         if not p.running:
             raise ConnectError(Code.NOT_FOUND, f"process {p.pid} is not running")
-        async for ev in self._follow(ctx, t, p.pid, replay=False, pty=p.pty):
+        opened = t.svc.workers.process_events(t.worker, t.sandbox_id, str(p.pid), replay=False)
+        async for ev in self._follow(ctx, opened, pty=p.pty):
             yield ConnectResponse(event=ev)
 
     async def list(

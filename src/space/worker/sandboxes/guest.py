@@ -8,6 +8,7 @@ hangs or is stopped cannot hold the worker), and what the worker reads back is b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shlex
 import time
@@ -80,12 +81,18 @@ async def release_volumes(machine: Machine, volumes: Sequence[VolumeMount]) -> N
         log.warning("VM %s: volumes not cleanly unmounted: %s", machine.id, e)
 
 
+# What the first commands of a sandbox run: the platform's own exec paths, and the login shell
+# E2B's SDKs wrap every command in (where the template has bash).
+WARM_UP = (["true"], ["/bin/sh", "-c", "command -v bash >/dev/null && exec bash -l -c true; true"])
+
+
 async def warm(machine: Machine) -> None:
-    """Run the platform's own `true` through both exec paths: a restored VM's first exec pays
-    for translating that path afresh (~130 ms under TCG), which a pool member should not hand
-    to its claimer."""
-    for argv in (["true"], ["/bin/sh", "-c", "true"]):
-        await run(machine, argv)
+    """Run what a sandbox's first commands run, once: in a base snapshot, their files are then
+    in its page cache; in a restored VM, the first exec no longer pays for translating that
+    path afresh (~130 ms under TCG), which a pool member should not hand to its claimer."""
+    for argv in WARM_UP:
+        with contextlib.suppress(AgentError):  # a template without a shell has less to warm
+            await run(machine, argv)
 
 
 async def start_service(machine: Machine, record: TemplateRecord) -> None:

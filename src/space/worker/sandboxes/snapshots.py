@@ -324,11 +324,13 @@ class BaseSnapshots:
             await machine.snapshot(dest)
 
     async def _set_up(self, machine: Machine, record: TemplateRecord | None) -> None:
-        """As every sandbox of the template starts: the gateway's CA, the template's service."""
+        """As every sandbox of the template starts: the gateway's CA, the template's service;
+        then what first commands read, into the page cache the snapshot keeps."""
         if self.ca_pem is not None:
             await guest.install_ca(machine, await self.ca_pem())
         if record is not None:
             await guest.start_service(machine, record)
+        await guest.warm(machine)
 
 
 def _clone(src: str, dst: str) -> None:
