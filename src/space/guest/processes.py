@@ -22,6 +22,7 @@ from .spawn import Spawned, set_winsize
 if TYPE_CHECKING:
     from .agent import Connection
 
+COALESCE_S = 0.001  # after a short read of a process's output, before the next
 OUTPUT_RING = 1 << 20  # bytes of a background process's latest output kept for a reattach
 
 
@@ -245,6 +246,12 @@ class Process:
                     room -= len(data)
                 if data:
                     await self._emit(ftype, data)
+                if len(data) < p.CHUNK_SIZE:
+                    # The agent outweighs tenant processes (see `reserve`), so it wakes for each
+                    # of their writes: a moment's pause lets a writer mid-burst fill the pipe,
+                    # and its output goes in few large frames rather than thousands of small.
+                    with contextlib.suppress(TimeoutError):  # its exit ends the pause
+                        await asyncio.wait_for(self.exited.wait(), COALESCE_S)
         finally:
             os.close(fd)
 

@@ -156,6 +156,8 @@ def spawn(req: Json) -> Spawned:
         else:
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            with contextlib.suppress(OSError):  # a bigger burst per read of its output
+                fcntl.fcntl(out_r, fcntl.F_SETPIPE_SZ, p.CHUNK_SIZE)
             child_fds += [out_w, err_w]
             if req.get("stdin"):
                 in_r, in_w = os.pipe2(os.O_CLOEXEC)
