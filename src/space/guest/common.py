@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import sys
 import threading
@@ -13,6 +14,8 @@ from . import protocol as p
 
 Json = dict[str, Any]
 T = TypeVar("T")
+
+GATHER_S = 0.001  # the pause after a short read of a tenant's bytes, before the next
 
 
 def log(msg: str) -> None:
@@ -98,3 +101,12 @@ async def blocking(fn: Callable[..., T], *args: Any) -> T:
 
     threading.Thread(target=run, daemon=True, name=getattr(fn, "__name__", "blocking")).start()
     return await done
+
+
+async def gather_more(ended: asyncio.Event) -> None:
+    """A pause after a short read of what a tenant's process sends (its output, a socket of
+    its): the agent outweighs tenant processes (see `reserve`) and so wakes for each of their
+    writes; the pause lets a writer mid-burst fill its pipe or socket, so a burst goes to the
+    host in a few large frames rather than thousands of small ones. `ended` cuts it short."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(ended.wait(), GATHER_S)

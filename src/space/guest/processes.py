@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
-from .common import Json, OpError
+from .common import Json, OpError, gather_more
 from .spawn import Spawned, set_winsize
 
 if TYPE_CHECKING:
     from .agent import Connection
 
-COALESCE_S = 0.001  # after a short read of a process's output, before the next
 OUTPUT_RING = 1 << 20  # bytes of a background process's latest output kept for a reattach
 
 
@@ -247,11 +246,7 @@ class Process:
                 if data:
                     await self._emit(ftype, data)
                 if len(data) < p.CHUNK_SIZE:
-                    # The agent outweighs tenant processes (see `reserve`), so it wakes for each
-                    # of their writes: a moment's pause lets a writer mid-burst fill the pipe,
-                    # and its output goes in few large frames rather than thousands of small.
-                    with contextlib.suppress(TimeoutError):  # its exit ends the pause
-                        await asyncio.wait_for(self.exited.wait(), COALESCE_S)
+                    await gather_more(self.exited)
         finally:
             os.close(fd)
 

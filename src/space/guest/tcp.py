@@ -23,7 +23,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from . import protocol as p
-from .common import Json, OpError, os_error, str_arg
+from .common import Json, OpError, gather_more, os_error, str_arg
 
 if TYPE_CHECKING:
     from .agent import Connection, Inbox
@@ -200,9 +200,12 @@ class Relay:
                 self.end_sent = True
                 await self.conn.send(p.FrameType.END, self.channel)
                 return
+            short = len(data) < min(self.credit, p.CHUNK_SIZE)
             self.credit -= len(data)
             self.received += len(data)
             await self.conn.send(p.FrameType.DATA, self.channel, data)
+            if short:
+                await gather_more(self.stop)
 
     def _broken(self) -> None:
         self.reset = True
