@@ -60,11 +60,13 @@ def mb_s(size: int, fn: Callable[[], object]) -> float:
     return size / (time.perf_counter() - t) / 1e6
 
 
-def run(c: httpx.Client, sid: str, cmd: str) -> tuple[bytes, int | None]:
-    """A command through the API's NDJSON exec: its stdout and exit code."""
+def run(c: httpx.Client, sid: str, cmd: str | list[str]) -> tuple[bytes, int | None]:
+    """A command (a shell's, or an argv) through the API's NDJSON exec: its stdout and exit
+    code."""
     out = bytearray()
     code = None
-    with c.stream("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd}) as r:
+    body = {"cmd": cmd} if isinstance(cmd, str) else {"argv": cmd}
+    with c.stream("POST", f"/v1/sandboxes/{sid}/exec", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             event = json.loads(line)
@@ -121,7 +123,7 @@ def through_api(url: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
         assert got == big, got
 
     def in_guest() -> float:
-        out, code = run(c, sid, f"python3 -c {json.dumps(IN_GUEST_GET)}")
+        out, code = run(c, sid, ["python3", "-c", IN_GUEST_GET])
         assert code == 0, out
         return float(out) / 1e6
 

@@ -88,8 +88,8 @@ async def test_input_a_process_does_not_read_stays_on_the_host(machine: Machine)
     assert rss_kib < 48 << 10, f"the agent holds {rss_kib} KiB"
     await proc.signal(signal.SIGKILL)  # the held-back input does not hold the signal back
     assert (await proc.wait()).signal == signal.SIGKILL
-    with pytest.raises(AgentError):
-        await asyncio.wait_for(writing, 30)
+    # The process ended: the rest of its input is dropped, as a pipe's would be.
+    await asyncio.wait_for(writing, 30)
 
 
 async def test_timeout_kills_the_process_and_says_so(machine: Machine) -> None:

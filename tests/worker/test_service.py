@@ -430,6 +430,37 @@ async def test_websocket_exec_pipes_stdin_and_reports_errors(worker: Worker, vm:
     await process_ends(worker, vm, pid)
 
 
+async def test_websocket_input_a_process_does_not_read_holds_back_no_signal(
+    worker: Worker, vm: str
+) -> None:
+    """Input waits for a process slow to take it (at most a window in the guest): a signal
+    sent after it still passes; and input bigger than a window given in the first message
+    reaches a process whose output is bigger still (nothing waits on what nobody reads)."""
+    async with aconnect_ws(f"{worker.url}/vms/{vm}/exec/ws", worker.http) as ws:
+        await ws.send_text(json.dumps({"argv": ["sleep", "600"]}))
+        assert json.loads(await ws.receive_text(timeout=30))["type"] == "start"
+        for _ in range(3):
+            await ws.send_bytes(bytes(512 << 10))
+        await ws.send_text(json.dumps({"signal": 9}))
+        end = await asyncio.wait_for(ws_exit(ws), 30)
+        assert end["signal"] == 9
+    # 6 MiB in, 24 MiB out: the input waits for room in the guest while the worker reads the
+    # output (were the input written before the output is read, both would wait for ever once
+    # the worker holds 16 MiB of unread output: the guest's acknowledgements wait behind it).
+    data = os.urandom(6 << 20)
+    async with aconnect_ws(f"{worker.url}/vms/{vm}/exec/ws", worker.http) as ws:
+        first = {"cmd": "od -An -to1 -v", "stdin": base64.b64encode(data).decode()}
+        await ws.send_text(json.dumps(first))
+        assert json.loads(await ws.receive_text(timeout=30))["type"] == "start"
+        await ws.send_text(json.dumps({"eof": True}))
+        out = hashlib.sha256()
+        while isinstance(msg := await ws.receive(timeout=120), wse.BytesMessage):
+            out.update(bytes(msg.data[1:]))
+        assert json.loads(msg.data)["exit_code"] == 0
+    want = "".join(f" {b:03o}" + ("\n" if i % 16 == 15 else "") for i, b in enumerate(data))
+    assert out.hexdigest() == hashlib.sha256(want.encode()).hexdigest()
+
+
 async def test_files_stream_both_ways(worker: Worker, vm: str) -> None:
     size = 20 << 20
     digest = hashlib.sha256()

@@ -114,23 +114,31 @@ async def follow(conn: Connection, channel: int, proc: Process, *, replay: bool)
                 await conn.send(ftype, channel, data)
         proc.listeners.append(me)
     detached = asyncio.Event()
-    taken: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # input: (its end, its size)
+    # Input taken and not yet acknowledged, however many frames it came in: [its end, its size].
+    owed = [0, 0]
+    owing = asyncio.Event()
 
     async def feed() -> None:
         while True:
             ftype, payload = await inbox.get()
             ctl = proc.on_frame(ftype, payload)
             if ftype == p.FrameType.STDIN and proc.stdin is not None:
-                taken.put_nowait((proc.stdin.taken, len(payload)))
+                owed[0] = proc.stdin.taken
+                owed[1] += len(payload)
+                owing.set()
             if ctl is not None and ctl.get("detach") is True:
                 detached.set()
 
     async def acknowledge() -> None:
-        """Each piece of input once the process has it: the host's window opens again."""
+        """Input once the process has it (in its pipe): the host's window opens again."""
         while True:
-            end, size = await taken.get()
+            await owing.wait()
+            end, size = owed
             if proc.stdin is not None:
                 await proc.stdin.reached(end)
+            owed[1] -= size
+            if not owed[1]:
+                owing.clear()
             await conn.send_json(p.FrameType.EVENT, channel, {"ack": size})
 
     waits = [asyncio.ensure_future(e.wait()) for e in (proc.done, detached, conn.gone)]

@@ -245,7 +245,7 @@ class Process:
                     room -= len(data)
                 if data:
                     await self._emit(ftype, data)
-                if len(data) < p.CHUNK_SIZE:
+                if len(data) < p.CHUNK_SIZE and fd != self.master:  # a terminal is read live
                     await gather_more(self.exited)
         finally:
             os.close(fd)

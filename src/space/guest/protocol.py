@@ -94,7 +94,7 @@ MAX_PAYLOAD = 1 << 20  # no frame is larger; a host refuses one whose header say
 MAX_JSON = 256 * 1024  # no REPLY or EVENT is larger
 CHUNK_SIZE = 256 * 1024
 TCP_WINDOW = 1 << 20  # bytes of a tcp_connect channel in flight in either direction
-DATA_WINDOW = 4 << 20  # bytes of a file or of a process's input in flight towards the agent
+DATA_WINDOW = 1 << 20  # bytes of a file or of a process's input in flight towards the agent
 PROTOCOL_VERSION = 4
 AGENT_PORT_NAME = "space.agent"  # virtio-serial port name the agent looks for
 AGENT_VSOCK_PORT = 1024
@@ -224,16 +224,19 @@ class FrameDecoder:
             self._size -= n
             return first
         taken = b"".join(self._pieces(n))
+        self._drop(n)
+        return taken
+
+    def _drop(self, n: int) -> None:
         self._size -= n
         while n:
             left = len(self._parts[0]) - self._at
             if n < left:
                 self._at += n
-                break
+                return
             n -= left
             self._parts.popleft()
             self._at = 0
-        return taken
 
     def _pieces(self, n: int) -> Iterator[memoryview]:
         at = self._at
@@ -246,13 +249,17 @@ class FrameDecoder:
             at = 0
 
     def _resync(self) -> None:
-        held = self._take(self._size)
-        at = held.find(MAGIC, 1)
-        drop = at if at > 0 else max(len(held) - 1, 1)
+        """Skip to the next magic: searched within the first piece (joined with the next where
+        the magic could straddle them), so a stream of junk costs time in its length."""
+        if len(self._parts) > 1 and len(self._parts[0]) - self._at < len(MAGIC):
+            first, second = self._parts.popleft(), self._parts.popleft()
+            self._parts.appendleft(first[self._at :] + second)
+            self._at = 0
+        first = self._parts[0]
+        at = first.find(MAGIC, self._at + 1)
+        drop = at - self._at if at >= 0 else max(len(first) - self._at - 1, 1)
         self.skipped += drop
-        if rest := held[drop:]:
-            self._parts.append(rest)
-            self._size = len(rest)
+        self._drop(drop)
 
 
 _VALID_TYPES = frozenset(int(t) for t in FrameType)

@@ -199,13 +199,13 @@ class SendWindow:
         """Let a waiting sender see that the channel ended."""
         self._room.set()
 
-    async def take(self, n: int) -> None:
-        """Room for `n` more bytes (one piece at most `size`); the channel's error, or "closed",
-        if it ends meanwhile."""
+    async def take(self, n: int) -> bool:
+        """Room for `n` more bytes (one piece at most `size`): True once there is; False if the
+        operation ended meanwhile (nothing more of ours is wanted); its error if it failed."""
         while self._in_flight and self._in_flight + n > self.size:
             if self._ch.reply.done():
                 await self._ch.result()
-                raise AgentError("closed", f"{self._what}: it has ended")
+                return False
             self._room.clear()
             room = asyncio.ensure_future(self._room.wait())
             try:
@@ -215,6 +215,7 @@ class SendWindow:
             finally:
                 room.cancel()
         self._in_flight += n
+        return True
 
 
 # --- processes -------------------------------------------------------------------------------
@@ -263,10 +264,11 @@ class ExecProcess:
         await self._ch.send_json(p.FrameType.CONTROL, {"detach": True})
 
     async def write(self, data: bytes) -> None:
+        """Input for the process; what it no longer takes (it ended) is dropped, as a pipe's."""
         for i in range(0, len(data), p.CHUNK_SIZE):
             piece = data[i : i + p.CHUNK_SIZE]
-            if self._stdin is not None:
-                await self._stdin.take(len(piece))
+            if self._stdin is not None and not await self._stdin.take(len(piece)):
+                return
             await self._ch.send(p.FrameType.STDIN, piece)
 
     async def close_stdin(self) -> None:

@@ -273,8 +273,8 @@ class AgentClient(AgentConnection):
                     break  # the agent gave up (e.g. disk full); its reply says why
                 for i in range(0, len(chunk), p.CHUNK_SIZE):
                     piece = chunk[i : i + p.CHUNK_SIZE]
-                    if window is not None:
-                        await window.take(len(piece))
+                    if window is not None and not await window.take(len(piece)):
+                        break  # the agent has answered: its reply says how it went
                     await ch.send(p.FrameType.DATA, piece)
             await ch.send(p.FrameType.END)
             return field(await ch.result(IDLE_DEADLINE_S, f"writing {path}"), "size", int)

@@ -117,7 +117,8 @@ class TcpStream:
             raise AgentError("invalid", "our side of the connection is closed")
         for i in range(0, len(data), p.CHUNK_SIZE):
             chunk = data[i : i + p.CHUNK_SIZE]
-            await self._window.take(len(chunk))
+            if not await self._window.take(len(chunk)):
+                raise AgentError("closed", "the guest TCP connection has ended")
             await self._ch.send(p.FrameType.DATA, chunk)
 
     async def close_write(self) -> None:

@@ -32,7 +32,8 @@ T = TypeVar("T")
 WS_FIRST_MESSAGE_S = 30.0
 STDOUT_TAG, STDERR_TAG = b"\x01", b"\x02"
 WS_FRAME = 32 << 10  # output per message; WebSocket clients often refuse messages over 64 KiB
-WS_INPUT_QUEUE = 16  # messages of input read ahead of a process slow to take them
+WS_INPUT_BYTES = 1 << 20  # of input read ahead of a process slow to take it
+WS_INPUT_DRAIN_S = 10.0  # for what a client sent before it left to reach a process that runs on
 
 
 class ExecRoutes:
@@ -126,11 +127,8 @@ async def ws_session(ws: WebSocket, proc: ExecProcess, stdin: bytes | None) -> N
     except WebSocketDisconnect:
         await leave(proc)
         return
-    if stdin:
-        with contextlib.suppress(AgentError):  # a lost agent shows in the output's end
-            await proc.write(stdin)
     output = asyncio.ensure_future(_ws_output(ws, proc))
-    control = asyncio.ensure_future(_ws_input(ws, proc))
+    control = asyncio.ensure_future(_ws_input(ws, proc, stdin))
     try:
         await asyncio.wait([output, control], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -249,32 +247,65 @@ async def _ws_output(ws: WebSocket, proc: ExecProcess) -> None:
         await ws.send_json(_error_event(e))
 
 
-async def _ws_input(ws: WebSocket, proc: ExecProcess) -> None:
-    """Until the client leaves: its stdin and control messages, passed to the process. Input
-    goes through a task of its own, in order: a process slow to read it holds back its input
-    (`ExecProcess.write` waits), not a signal or a resize sent after it."""
-    inputs: asyncio.Queue[bytes | None] = asyncio.Queue(WS_INPUT_QUEUE)  # None: its end
-    writer = asyncio.ensure_future(_write_input(proc, inputs))
-    try:
-        await _ws_messages(ws, proc, inputs)
-    finally:
-        writer.cancel()
-        with contextlib.suppress(asyncio.CancelledError, AgentError):
-            await writer
+class _Input:
+    """A process's input from a WebSocket, written in order by a task of its own, so a process
+    slow to take it (`ExecProcess.write` waits) holds back its input and not a signal or a
+    resize sent after it; at most WS_INPUT_BYTES wait here before the client is read no more."""
 
+    def __init__(self, proc: ExecProcess) -> None:
+        self._items: asyncio.Queue[bytes | None] = asyncio.Queue()  # None: its end
+        self._waiting = 0
+        self._room = asyncio.Event()
+        self._room.set()
+        self._writer = asyncio.ensure_future(self._write(proc))
 
-async def _write_input(proc: ExecProcess, inputs: asyncio.Queue[bytes | None]) -> None:
-    while True:
-        data = await inputs.get()
-        if data is None:
-            await proc.close_stdin()
+    async def put(self, data: bytes | None) -> None:
+        await self._room.wait()
+        self._items.put_nowait(data)
+        self._count(len(data or b""))
+
+    def _count(self, n: int) -> None:
+        self._waiting += n
+        if self._waiting >= WS_INPUT_BYTES:
+            self._room.clear()
         else:
-            await proc.write(data)
+            self._room.set()
+
+    async def _write(self, proc: ExecProcess) -> None:
+        while True:
+            data = await self._items.get()
+            try:
+                await (proc.close_stdin() if data is None else proc.write(data))
+            finally:
+                self._count(-len(data or b""))
+                self._items.task_done()
+
+    async def drain(self, timeout: float) -> None:
+        """Until what was put is written (or `timeout`)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._items.join(), timeout)
+
+    async def close(self) -> None:
+        self._writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, AgentError):
+            await self._writer
 
 
-async def _ws_messages(
-    ws: WebSocket, proc: ExecProcess, inputs: asyncio.Queue[bytes | None]
-) -> None:
+async def _ws_input(ws: WebSocket, proc: ExecProcess, stdin: bytes | None) -> None:
+    """Until the client leaves: its stdin and control messages, passed to the process. What
+    it sent still reaches a process that runs on after it (a background or attached one)."""
+    inputs = _Input(proc)
+    try:
+        if stdin:
+            await inputs.put(stdin)
+        await _ws_messages(ws, proc, inputs)
+        if not proc.owned or proc.background:
+            await inputs.drain(WS_INPUT_DRAIN_S)
+    finally:
+        await inputs.close()
+
+
+async def _ws_messages(ws: WebSocket, proc: ExecProcess, inputs: _Input) -> None:
     while True:
         message = await ws.receive()
         if message["type"] == "websocket.disconnect":

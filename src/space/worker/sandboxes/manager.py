@@ -306,7 +306,7 @@ class VMManager:
         try:
             await self._set_up(machine, spec)
             if warm:
-                await guest.warm(machine)
+                await guest.warm(machine, agent_user(spec.user))
             crashpoints.reached("create.before-record")
             sb.save(machine.run_dir)
         except BaseException:

@@ -52,6 +52,7 @@ from space.worker.storage.pool import Pool
 from space.worker.storage.reflink import clone_file
 from space.worker.templates import TemplateRecord
 from space.worker.templates.errors import ImageError, RegistryError
+from space.worker.templates.record import agent_user
 from space.worker.vmm.base import Driver, SnapshotInfo, VMMError
 from space.worker.vmm.qemu import host_tsc_khz
 
@@ -330,7 +331,7 @@ class BaseSnapshots:
             await guest.install_ca(machine, await self.ca_pem())
         if record is not None:
             await guest.start_service(machine, record)
-        await guest.warm(machine)
+        await guest.warm(machine, agent_user(record.user) if record is not None else None)
 
 
 def _clone(src: str, dst: str) -> None:
