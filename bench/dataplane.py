@@ -184,6 +184,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with platform(setup) as (p, keys):
+        p.wait_worker(keys["key"])
         results = through_api(p.url, keys["key"], args)
     results.update(asyncio.run(straight_to_the_agent(args)))
     r = results

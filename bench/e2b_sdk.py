@@ -62,6 +62,7 @@ def main() -> None:
         e2b_opts: dict[str, Any] = {"api_key": keys["key"], "api_url": f"{p.url}/e2b",
                                     "sandbox_url": f"{p.url}/e2b/envd"}  # fmt: skip
         sdk = space.Space(p.url, keys["key"])
+        p.wait_worker(keys["key"])
         # The first create builds the worker's base snapshot (a cold boot): not measured.
         space.Sandbox.create(client=sdk).delete()
 

@@ -22,6 +22,7 @@ from .spawn import spawn
 if TYPE_CHECKING:
     from .agent import Connection
 
+ACK_GRAIN = 64 << 10  # input acknowledged in pieces of at least this much
 EXITED_KEPT = 32
 # Never all digits (that reads as a pid), never dots alone (a path segment of its own).
 TAG = re.compile(r"^(?!\d+$)[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}$")
@@ -114,8 +115,9 @@ async def follow(conn: Connection, channel: int, proc: Process, *, replay: bool)
                 await conn.send(ftype, channel, data)
         proc.listeners.append(me)
     detached = asyncio.Event()
-    # Input taken and not yet acknowledged, however many frames it came in: [its end, its size].
-    owed = [0, 0]
+    # Input taken and not yet acknowledged: (its end, its size), small frames merged so that
+    # tiny ones cost no more than large.
+    owed: collections.deque[tuple[int, int]] = collections.deque()
     owing = asyncio.Event()
 
     async def feed() -> None:
@@ -123,8 +125,10 @@ async def follow(conn: Connection, channel: int, proc: Process, *, replay: bool)
             ftype, payload = await inbox.get()
             ctl = proc.on_frame(ftype, payload)
             if ftype == p.FrameType.STDIN and proc.stdin is not None:
-                owed[0] = proc.stdin.taken
-                owed[1] += len(payload)
+                size = len(payload)
+                if owed and owed[-1][1] < ACK_GRAIN:
+                    size += owed.pop()[1]
+                owed.append((proc.stdin.taken, size))
                 owing.set()
             if ctl is not None and ctl.get("detach") is True:
                 detached.set()
@@ -133,13 +137,16 @@ async def follow(conn: Connection, channel: int, proc: Process, *, replay: bool)
         """Input once the process has it (in its pipe): the host's window opens again."""
         while True:
             await owing.wait()
-            end, size = owed
-            if proc.stdin is not None:
-                await proc.stdin.reached(end)
-            owed[1] -= size
-            if not owed[1]:
+            stdin = proc.stdin
+            if stdin is not None:
+                await stdin.reached(owed[0][0])
+            done = 0
+            while owed and (stdin is None or stdin.closed or owed[0][0] <= stdin.written):
+                done += owed.popleft()[1]
+            if not owed:
                 owing.clear()
-            await conn.send_json(p.FrameType.EVENT, channel, {"ack": size})
+            if done:
+                await conn.send_json(p.FrameType.EVENT, channel, {"ack": done})
 
     waits = [asyncio.ensure_future(e.wait()) for e in (proc.done, detached, conn.gone)]
     helpers = [asyncio.ensure_future(feed()), asyncio.ensure_future(acknowledge())]

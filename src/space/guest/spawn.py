@@ -47,6 +47,10 @@ class FdWriter:
         if was_empty:
             self._flush()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def reached(self, offset: int) -> None:
         """Once the first `offset` bytes taken are written (or never will be: closed)."""
         while self.written < offset and not self._closed:

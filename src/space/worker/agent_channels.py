@@ -212,6 +212,9 @@ class SendWindow:
                 futures: list[asyncio.Future[Any]] = [room, self._ch.reply]
                 either = asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
                 await within(either, self._idle, self._what)
+            except AgentTimeout:
+                if not self._ch.reply.done():
+                    raise  # else its answer, which came at the same time, says how it went
             finally:
                 room.cancel()
         self._in_flight += n
@@ -263,13 +266,15 @@ class ExecProcess:
         """Stop following the process, which runs on; `wait()` then raises ProcessDetached."""
         await self._ch.send_json(p.FrameType.CONTROL, {"detach": True})
 
-    async def write(self, data: bytes) -> None:
-        """Input for the process; what it no longer takes (it ended) is dropped, as a pipe's."""
+    async def write(self, data: bytes) -> bool:
+        """Input for the process; False once it takes no more (it ended): the rest is dropped,
+        as a pipe's would be."""
         for i in range(0, len(data), p.CHUNK_SIZE):
             piece = data[i : i + p.CHUNK_SIZE]
             if self._stdin is not None and not await self._stdin.take(len(piece)):
-                return
+                return False
             await self._ch.send(p.FrameType.STDIN, piece)
+        return True
 
     async def close_stdin(self) -> None:
         await self._ch.send(p.FrameType.END)

@@ -133,6 +133,10 @@ async def ws_session(ws: WebSocket, proc: ExecProcess, stdin: bytes | None) -> N
         await asyncio.wait([output, control], return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not (output.done() and output.exception() is None):
+            if not proc.owned or proc.background:
+                # It runs on without the client: what the client sent still reaches it.
+                proc.discard()
+                await asyncio.wait([control], timeout=WS_INPUT_DRAIN_S + 1)
             await leave(proc)
         control.cancel()
         for task in (control, output):
@@ -213,8 +217,7 @@ async def exec_events(
 
 async def _feed(proc: ExecProcess, data: bytes, close: bool) -> None:
     with contextlib.suppress(AgentError):
-        await proc.write(data)
-        if close:
+        if await proc.write(data) and close:
             await proc.close_stdin()
 
 
@@ -261,6 +264,8 @@ class _Input:
 
     async def put(self, data: bytes | None) -> None:
         await self._room.wait()
+        if self._writer.done():
+            return  # the process's channel failed: nothing reaches it any more
         self._items.put_nowait(data)
         self._count(len(data or b""))
 
@@ -272,13 +277,19 @@ class _Input:
             self._room.set()
 
     async def _write(self, proc: ExecProcess) -> None:
-        while True:
-            data = await self._items.get()
-            try:
-                await (proc.close_stdin() if data is None else proc.write(data))
-            finally:
-                self._count(-len(data or b""))
+        try:
+            while True:
+                data = await self._items.get()
+                try:
+                    await (proc.close_stdin() if data is None else proc.write(data))
+                finally:
+                    self._count(-len(data or b""))
+                    self._items.task_done()
+        finally:  # its channel failed (or the session ended): what waits is dropped
+            while not self._items.empty():
+                self._items.get_nowait()
                 self._items.task_done()
+            self._room.set()
 
     async def drain(self, timeout: float) -> None:
         """Until what was put is written (or `timeout`)."""

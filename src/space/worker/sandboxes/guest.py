@@ -36,7 +36,7 @@ CA_ENV = {
 }
 READY_TIMEOUT_S = 300.0
 DUTY_TIMEOUT_S = 30.0
-WARM_TIMEOUT_S = 10.0
+WARM_TIMEOUT_S = 5.0
 
 
 async def run(machine: Machine, argv: list[str], timeout: float = DUTY_TIMEOUT_S,
@@ -87,15 +87,15 @@ async def release_volumes(machine: Machine, volumes: Sequence[VolumeMount]) -> N
 WARM_UP = (["true"], ["/bin/sh", "-c", "command -v bash >/dev/null && exec bash -l -c true; true"])
 
 
-async def warm(machine: Machine, user: str | int | None) -> None:
-    """Run what a sandbox's first commands run, once, as the template's user: in a base
-    snapshot, their files are then in its page cache; in a restored VM, the first exec no longer
-    pays for translating that path afresh (~130 ms under TCG), which a pool member should not
-    hand to its claimer. Best effort: a template without a shell, or with a login profile that
-    hangs, has less warmed."""
+async def warm(machine: Machine, **how: Any) -> None:
+    """Run what a sandbox's first commands run, once, as the template runs them (`how`: its
+    user, environment and directory): in a base snapshot, their files are then in its page
+    cache; in a restored VM, the first exec no longer pays for translating that path afresh
+    (~130 ms under TCG), which a pool member should not hand to its claimer. Best effort: a
+    template without a shell, or with a login profile that hangs, has less warmed."""
     for argv in WARM_UP:
         with contextlib.suppress(AgentError, VMManagerError):
-            await run(machine, argv, timeout=WARM_TIMEOUT_S, user=user)
+            await run(machine, argv, timeout=WARM_TIMEOUT_S, **how)
 
 
 async def start_service(machine: Machine, record: TemplateRecord) -> None:

@@ -306,7 +306,8 @@ class VMManager:
         try:
             await self._set_up(machine, spec)
             if warm:
-                await guest.warm(machine, agent_user(spec.user))
+                await guest.warm(machine, env=spec.template_env, cwd=spec.workdir,
+                                 user=agent_user(spec.user))  # fmt: skip
             crashpoints.reached("create.before-record")
             sb.save(machine.run_dir)
         except BaseException:

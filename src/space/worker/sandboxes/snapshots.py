@@ -331,7 +331,11 @@ class BaseSnapshots:
             await guest.install_ca(machine, await self.ca_pem())
         if record is not None:
             await guest.start_service(machine, record)
-        await guest.warm(machine, agent_user(record.user) if record is not None else None)
+        if record is None:
+            await guest.warm(machine)
+        else:
+            await guest.warm(machine, env=record.env, cwd=record.workdir,
+                             user=agent_user(record.user))  # fmt: skip
 
 
 def _clone(src: str, dst: str) -> None:

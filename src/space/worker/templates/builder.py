@@ -494,7 +494,8 @@ async def _run(
         if input is not None:
             with input.open("rb") as f:
                 while chunk := await asyncio.to_thread(f.read, 1 << 20):
-                    await proc.write(chunk)
+                    if not await proc.write(chunk):
+                        return  # the step ended: its result says how
             await proc.close_stdin()
 
     feeder = asyncio.ensure_future(feed())
