@@ -514,8 +514,11 @@ def metered(platform: Platform) -> Iterator[str]:
             "/v1/sandboxes", json={"network": {"hosts": [{"pattern": "allowed.test"}]}}
         ).json()["id"]
         assert fetch(c, sid, "http://allowed.test/")[0] == 0
-        deadline = time.monotonic() + 30
-        while not c.get("/v1/usage", params={"sandbox": sid}).json()["total"]["egress_bytes"]:
+        # Its bytes and its disk: the disk's size is known from a worker's reading, which may
+        # come a round after its first seconds were counted.
+        deadline = time.monotonic() + 60
+        while not all(c.get("/v1/usage", params={"sandbox": sid}).json()["total"][figure]
+                      for figure in ("egress_bytes", "disk_gib_hours")):  # fmt: skip
             assert time.monotonic() < deadline, "the sandbox was never metered"
             time.sleep(0.5)
         yield sid

@@ -67,12 +67,18 @@ def test_a_create_is_one_trace_from_the_api_to_the_guest(
         assert root.trace_id != CLIENTS_TRACE and root.parent_id == ""
 
         def whole(spans: list[Span]) -> bool:
-            """The controller's span, the worker's server span and its agent call: each comes
-            when it ends, in a batch of its own process."""
+            """The controller's span, the worker's server span with the span that called it,
+            and its agent call: each comes when it ends, in a batch of its own process (the
+            caller's after the worker's)."""
             mine = [s for s in spans if s.trace_id == root.trace_id]
+            ids = {s.span_id for s in mine}
+            served = [
+                s
+                for s in mine
+                if s.service == "space-worker" and "http.request.method" in s.attributes
+            ]
             return (any(s.service == "space-controller" for s in mine)
-                    and any(s.service == "space-worker" and "http.request.method" in s.attributes
-                            for s in mine)
+                    and bool(served) and all(s.parent_id in ids for s in served)
                     and any(s.name.startswith("agent ") for s in mine))  # fmt: skip
 
         wait_for(collector, whole, "the create's trace through controller, worker and agent")
