@@ -205,7 +205,7 @@ class FrameDecoder:
                 continue
             if self._size < HEADER_SIZE + length:
                 return
-            self._take(HEADER_SIZE)
+            self._drop(HEADER_SIZE)
             yield FrameType(ftype), channel, self._take(length)
 
     def _peek(self, n: int) -> bytes:

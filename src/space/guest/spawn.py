@@ -31,8 +31,7 @@ class FdWriter:
         self._buf = bytearray()
         self._closing = False
         self._closed = False
-        self.taken = 0  # bytes accepted by `write`
-        self.written = 0  # of which the process has them
+        self.written = 0  # bytes the process has (in its pipe)
         self._progress = asyncio.Event()
         os.set_blocking(fd, False)
 
@@ -43,9 +42,13 @@ class FdWriter:
             raise OpError(p.ErrorCode.INVALID, "stdin buffer overflow: the process reads no input")
         was_empty = not self._buf
         self._buf += data
-        self.taken += len(data)
         if was_empty:
             self._flush()
+
+    @property
+    def taken(self) -> int:
+        """Bytes accepted by `write` (those dropped with the process's end aside)."""
+        return self.written + len(self._buf)
 
     @property
     def closed(self) -> bool:

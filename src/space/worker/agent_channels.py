@@ -135,6 +135,16 @@ class Channel:
     async def send_json(self, ftype: p.FrameType, obj: dict[str, Any]) -> None:
         await self.client._send(p.encode_json(ftype, self.id, obj))
 
+    async def send_within(self, ftype: p.FrameType, data: bytes, window: SendWindow | None) -> bool:
+        """`data` in frames of at most CHUNK_SIZE, each within `window` where the agent offered
+        one; False once the operation ended meanwhile (the rest is not sent)."""
+        for i in range(0, len(data), p.CHUNK_SIZE):
+            piece = data[i : i + p.CHUNK_SIZE]
+            if window is not None and not await window.take(len(piece)):
+                return False
+            await self.send(ftype, piece)
+        return True
+
     async def result(self, timeout: float | None = None, what: str = "") -> dict[str, Any]:
         return raise_for(await within(asyncio.shield(self.reply), timeout, what or "reply"))
 
@@ -269,12 +279,7 @@ class ExecProcess:
     async def write(self, data: bytes) -> bool:
         """Input for the process; False once it takes no more (it ended): the rest is dropped,
         as a pipe's would be."""
-        for i in range(0, len(data), p.CHUNK_SIZE):
-            piece = data[i : i + p.CHUNK_SIZE]
-            if self._stdin is not None and not await self._stdin.take(len(piece)):
-                return False
-            await self._ch.send(p.FrameType.STDIN, piece)
-        return True
+        return await self._ch.send_within(p.FrameType.STDIN, data, self._stdin)
 
     async def close_stdin(self) -> None:
         await self._ch.send(p.FrameType.END)

@@ -269,7 +269,7 @@ class AgentClient(AgentConnection):
             ready = await ch.first_event(START_DEADLINE_S, f"writing {path}")
             window = SendWindow.offered(ch, ready, IDLE_DEADLINE_S, f"writing {path}")
             async for chunk in _chunks(data):
-                if not await _send_data(ch, window, chunk):
+                if ch.reply.done() or not await ch.send_within(p.FrameType.DATA, chunk, window):
                     break  # the agent gave up (e.g. disk full); its reply says why
             await ch.send(p.FrameType.END)
             return field(await ch.result(IDLE_DEADLINE_S, f"writing {path}"), "size", int)
@@ -424,13 +424,3 @@ async def _chunks(data: bytes | Iterable[bytes] | AsyncIterable[bytes]) -> Async
     else:
         for chunk in data:
             yield chunk
-
-
-async def _send_data(ch: Channel, window: SendWindow | None, chunk: bytes) -> bool:
-    """A chunk of a file as DATA frames; False once the agent has answered (it wants no more)."""
-    for i in range(0, len(chunk), p.CHUNK_SIZE):
-        piece = chunk[i : i + p.CHUNK_SIZE]
-        if ch.reply.done() or (window is not None and not await window.take(len(piece))):
-            return False
-        await ch.send(p.FrameType.DATA, piece)
-    return True

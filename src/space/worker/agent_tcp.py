@@ -115,11 +115,8 @@ class TcpStream:
         """Send `data`; waits while the guest has a window's worth of ours unread."""
         if self._write_closed:
             raise AgentError("invalid", "our side of the connection is closed")
-        for i in range(0, len(data), p.CHUNK_SIZE):
-            chunk = data[i : i + p.CHUNK_SIZE]
-            if not await self._window.take(len(chunk)):
-                raise AgentError("closed", "the guest TCP connection has ended")
-            await self._ch.send(p.FrameType.DATA, chunk)
+        if not await self._ch.send_within(p.FrameType.DATA, data, self._window):
+            raise AgentError("closed", "the guest TCP connection has ended")
 
     async def close_write(self) -> None:
         """Half-close: the guest's side reads its end; it may go on sending."""

@@ -98,12 +98,18 @@ async def warm(machine: Machine, **how: Any) -> None:
             await run(machine, argv, timeout=WARM_TIMEOUT_S, **how)
 
 
+def runs_as(record: TemplateRecord | None) -> dict[str, Any]:
+    """How a template's commands run: its environment, directory and user (the run's options)."""
+    if record is None:
+        return {}
+    return {"env": record.env, "cwd": record.workdir, "user": agent_user(record.user)}
+
+
 async def start_service(machine: Machine, record: TemplateRecord) -> None:
     """Start the template's service (its start command, else the image's own command) and wait
     until its ready check passes, so every sandbox restored from the snapshot has it running."""
     start = record.start or (shlex.join(record.command) if record.command else None)
-    how: dict[str, Any] = {"env": record.env, "cwd": record.workdir,
-                           "user": agent_user(record.user)}  # fmt: skip
+    how = runs_as(record)
     if start:
         # Detached, with its output in a file: it outlives this exec and the snapshot.
         script = f"( {start} ) </dev/null >>{START_LOG} 2>&1 &"

@@ -52,7 +52,6 @@ from space.worker.storage.pool import Pool
 from space.worker.storage.reflink import clone_file
 from space.worker.templates import TemplateRecord
 from space.worker.templates.errors import ImageError, RegistryError
-from space.worker.templates.record import agent_user
 from space.worker.vmm.base import Driver, SnapshotInfo, VMMError
 from space.worker.vmm.qemu import host_tsc_khz
 
@@ -331,11 +330,7 @@ class BaseSnapshots:
             await guest.install_ca(machine, await self.ca_pem())
         if record is not None:
             await guest.start_service(machine, record)
-        if record is None:
-            await guest.warm(machine)
-        else:
-            await guest.warm(machine, env=record.env, cwd=record.workdir,
-                             user=agent_user(record.user))  # fmt: skip
+        await guest.warm(machine, **guest.runs_as(record))
 
 
 def _clone(src: str, dst: str) -> None:
