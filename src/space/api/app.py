@@ -87,6 +87,7 @@ def create_app(settings: Settings, database_url: str) -> FastAPI:
         try:
             yield
         finally:
+            await app.state.services.tunnels.close()
             await workers.close()
             await listener.close()
             await store.close()

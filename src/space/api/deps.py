@@ -15,6 +15,7 @@ from fastapi import Depends, Request, WebSocket
 from space import logs, tracing
 from space.api import audit_trail
 from space.api.errors import APIError
+from space.api.ingress_tunnels import Tunnels
 from space.api.limits import RateLimiter
 from space.db.listen import Listener
 from space.db.sealing import Sealer
@@ -45,6 +46,7 @@ class Services:
     worker_secret: str  # what workers present when they register
     worker_ca: WorkerCA | None = None  # issues workers' certificates under mutual TLS
     followers: dict[str, int] = field(default_factory=dict)  # tenant: streams it follows now
+    tunnels: Tunnels = field(default_factory=Tunnels)  # ingress's kept connections
 
     def follow(self, tenant_id: str) -> Callable[[], None]:
         """A place for one more followed stream of the tenant (429 past its share); call what

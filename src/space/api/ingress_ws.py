@@ -29,14 +29,8 @@ from wsproto.connection import ConnectionType
 from space.api.data import target, until_first
 from space.api.deps import Services
 from space.api.errors import APIError
-from space.api.ingress import (
-    DROP_IN,
-    HEAD_TIMEOUT_S,
-    Closed,
-    receive_tcp,
-    service_target,
-    write_tcp,
-)
+from space.api.ingress import DROP_IN, HEAD_TIMEOUT_S, service_target
+from space.api.ingress_tunnels import Closed, receive_tcp, write_tcp
 from space.api.previews import PREVIEW, ingress_caller, without_link
 from space.db.store import NotFound
 
