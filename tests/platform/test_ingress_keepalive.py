@@ -9,26 +9,33 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from ..stack import Platform
-from .helpers import create, run
+from .helpers import create, run, wait_state
 
 # GET /peer answers the client's port as the service sees it (one per TCP connection); GET /big
 # answers 8 MiB; GET /extra answers 5 bytes and, in the same write, a second answer nobody asked
-# for; POST answers the length it read. Idle connections are closed after IDLE seconds.
+# for; HEAD answers as GET does, body included (a careless service, but a common one); POST
+# answers the length it read. Idle connections are closed after IDLE seconds.
 SERVICE = """
-import http.server, sys
+import http.server, sys, time
+FORGED = b"HTTP/1.1 200 OK\\r\\nContent-Length: 6\\r\\n\\r\\nforged"
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = float(sys.argv[2])
-    def answer(self, body, extra=b""):
-        head = f"HTTP/1.1 200 OK\\r\\nContent-Length: {len(body)}\\r\\n\\r\\n".encode()
+    def answer(self, body, extra=b"", length=None):
+        length = len(body) if length is None else length
+        head = f"HTTP/1.1 200 OK\\r\\nContent-Length: {length}\\r\\n\\r\\n".encode()
         self.wfile.write(head + body + extra)
     def do_GET(self):
         if self.path == "/big":
             self.answer(b"x" * (8 << 20))
         elif self.path == "/extra":
-            self.answer(b"hello", b"HTTP/1.1 200 OK\\r\\nContent-Length: 6\\r\\n\\r\\nforged")
+            self.answer(b"hello", FORGED)
         else:
             self.answer(str(self.client_address[1]).encode())
+    def do_HEAD(self):
+        self.answer(b"", length=len(FORGED))
+        time.sleep(0.05)
+        self.wfile.write(FORGED)
     def do_POST(self):
         n = len(self.rfile.read(int(self.headers["Content-Length"])))
         self.answer(f"{n} {self.client_address[1]}".encode())
@@ -66,6 +73,8 @@ def test_requests_to_a_port_share_one_connection_until_one_is_cut(platform: Plat
         # Sequential requests, from two clients of the API, with and without a body.
         assert [peer(c, url) for _ in range(4)] == [first] * 4
         assert peer(other, url) == first
+        # However many times it is taken and kept again.
+        assert {peer(c, url) for _ in range(300)} == {first}
         r = c.post(f"{url}/sum", content=b"y" * 100_000)
         assert r.status_code == 200 and r.text == f"100000 {first}", r.text
         # A client that leaves mid-answer ends that connection: the next gets a new one, whole.
@@ -111,4 +120,22 @@ def test_an_answer_that_runs_past_its_length_is_never_the_next_ones(platform: Pl
             time.sleep(pause)
             after = c.get(f"{url}/peer")
             assert after.status_code == 200 and after.text.isdigit(), after.text
+            # A HEAD's answer whose body came anyway, in a write of its own.
+            assert c.head(f"{url}/peer").status_code == 200
+            time.sleep(pause)
+            after = c.get(f"{url}/peer")
+            assert after.status_code == 200 and after.text.isdigit(), after.text
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_kept_connection_is_no_use_of_its_sandbox(platform: Platform) -> None:
+    """A connection kept for later does not hold its sandbox awake: the idle timeout pauses it
+    as if the connection were closed, and the next request wakes it and is answered."""
+    with platform.client() as c:
+        sid = create(c, idle_timeout_s=3)["id"]
+        url = serve(c, sid, 8103, idle_s=600)
+        peer(c, url)  # kept from here on
+        wait_state(c, sid, "paused", timeout=30)  # long before the kept one would time out
+        assert peer(c, url).isdigit()
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
         c.delete(f"/v1/sandboxes/{sid}")

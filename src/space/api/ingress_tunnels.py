@@ -7,9 +7,10 @@ kept for the next request to the same port of the same sandbox on the same worke
 
 - One task owns each tunnel from its start to its end (its WebSocket cannot change tasks); a
   request is handed to it as an `Exchange`.
-- While idle, a tunnel watches its WebSocket: the service closing its side (its own keep-alive
-  timeout) or sending anything unasked ends the tunnel at once, so a kept connection is seldom
-  found dead. Idle for IDLE_S, it ends.
+- While idle, a tunnel tells its worker so (TCP_REST): a kept connection is no use of the
+  sandbox, whose idle timeout runs meanwhile. It watches its WebSocket: the service closing its
+  side (its own keep-alive timeout) or sending anything unasked ends the tunnel at once, so a
+  kept connection is seldom found dead. Idle for IDLE_S, it ends.
 - A kept tunnel that ends before any byte of the answer: the request is sent again on a new one
   when that is safe, that is when nothing of it was written yet, or its method is idempotent
   and it has no body (RFC 9110, 9.2.2). Otherwise the client gets the 502 it got before.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -31,15 +33,18 @@ import wsproto.events as wse
 from httpx_ws import AsyncWebSocketSession, HTTPXWSException
 from httpx_ws import WebSocketDisconnect as UpstreamDisconnect
 from starlette.requests import ClientDisconnect, Request
+from wsproto.utilities import LocalProtocolError
 
 from space.api.errors import APIError
-from space.worker.api.models import TCP_FRAME
+from space.worker.api.models import TCP_FRAME, TCP_REST
 
 IDLE_S = 60.0  # a kept tunnel no request used for this long is closed
+FRESH_S = 2.0  # kept at most this long, a tunnel takes requests that cannot be sent again
 IDLE_PER_PORT = 4  # kept tunnels per (worker, sandbox, port); more are closed after their answer
 IDLE_IN_ALL = 256
 IDEMPOTENT = {"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"}
-GONE = (UpstreamDisconnect, HTTPXWSException, OSError, httpx.HTTPError)  # a tunnel's ends
+# A tunnel's ends: closed by the worker or the service, broken, or closing as we write.
+GONE = (UpstreamDisconnect, HTTPXWSException, LocalProtocolError, OSError, httpx.HTTPError)
 
 Connect = Callable[[], AbstractAsyncContextManager[AsyncWebSocketSession]]
 Key = tuple[str, str, int]  # worker, sandbox, port
@@ -61,17 +66,21 @@ class Exchange:
     """One request to the service and its answer: the answer's head to `head` (or the APIError
     that there is none), then its body into `chunks`, None at its end."""
 
-    def __init__(self, request: Request, head: h11.Request, port: int) -> None:
+    def __init__(
+        self, request: Request, head: h11.Request, port: int, body_read: bool = False
+    ) -> None:
         self.request, self.request_head, self.port = request, head, port
+        self.body_read = body_read  # a resent request's (empty) body was read the first time
         self.head: asyncio.Future[h11.Response] = asyncio.get_running_loop().create_future()
         # A few chunks in flight: a slow client slows the service down (the agent's windows do
         # the rest), nothing piles up here.
         self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
         self.owner: asyncio.Task[None] | None = None  # the tunnel's task, while it runs this
         self.written = False  # any byte of the request
+        self.sent = False  # the whole request, its body's end included
 
     def again(self) -> Exchange:
-        return Exchange(self.request, self.request_head, self.port)
+        return Exchange(self.request, self.request_head, self.port, body_read=self.written)
 
     @property
     def replayable(self) -> bool:
@@ -92,12 +101,12 @@ class Exchange:
 
     async def run(self, ws: AsyncWebSocketSession, conn: h11.Connection) -> bool:
         """Send the request and relay the answer; whether the connection may carry another."""
-        self.written = True
         await _send(ws, conn, self.request_head)
+        self.written = True
         owner = asyncio.current_task()
         assert owner is not None
         gone = functools.partial(_cancel_once, owner)
-        sending = asyncio.ensure_future(_send_body(ws, conn, self.request, gone))
+        sending = asyncio.ensure_future(self._send_body(ws, conn, gone))
         try:
             async for event in _events(ws, conn):
                 if isinstance(event, h11.Response):
@@ -108,11 +117,37 @@ class Exchange:
             await _stop(sending)
         if not self.head.done():
             raise Closed(502, "the connection ended before an answer")
+        # Answers that must have no body are where careless services write one anyway: bytes
+        # that would arrive after the end and be read as the next request's answer.
+        bodiless = self.request.method == "HEAD" or self.head.result().status_code in (204, 304)
         return (
-            conn.our_state is h11.DONE
+            self.sent
+            and not bodiless
+            and conn.our_state is h11.DONE
             and conn.their_state is h11.DONE
             and not conn.trailing_data[0]
         )
+
+    async def _send_body(
+        self, ws: AsyncWebSocketSession, conn: h11.Connection, gone: Callable[[], object]
+    ) -> None:
+        """The client's body, as it arrives; then `gone()` once the client hangs up, so a
+        service that is quiet for a while (a long computation) learns at once that nobody waits
+        for it. Our side of the connection stays open meanwhile: the request is framed, and
+        servers that take a half-close for a hang-up (tornado, Node's by default) would drop it
+        unanswered."""
+        try:
+            if not self.body_read:
+                async for chunk in self.request.stream():
+                    if chunk:
+                        await _send(ws, conn, h11.Data(data=chunk))
+            await _send(ws, conn, h11.EndOfMessage())
+            self.sent = True
+            while (await self.request.receive())["type"] != "http.disconnect":
+                pass
+        except ClientDisconnect:  # gone in the middle of its body
+            pass
+        gone()
 
 
 class Tunnel:
@@ -121,6 +156,7 @@ class Tunnel:
     def __init__(self, pool: Tunnels, key: Key, connect: Connect, first: Exchange) -> None:
         self.pool, self.key = pool, key
         self.next: asyncio.Future[Exchange] | None = None  # set while idle
+        self.since = 0.0  # when it was last kept (monotonic)
         self.task = asyncio.ensure_future(self._serve(connect, first))
         self.task.add_done_callback(lambda _: pool.live.discard(self))
 
@@ -147,7 +183,7 @@ class Tunnel:
                         reused = True
                 finally:
                     await close_tunnel(ws)
-        except (Closed, UpstreamDisconnect, HTTPXWSException) as e:
+        except (Closed, UpstreamDisconnect, HTTPXWSException, LocalProtocolError) as e:
             if current is not None:
                 current.fail(_error(e, current, reused))
         except (OSError, httpx.HTTPError) as e:  # the worker itself out of reach
@@ -180,6 +216,10 @@ class Tunnel:
     async def _idle(self, ws: AsyncWebSocketSession) -> Exchange | None:
         """The next exchange given to this tunnel, or None: it was not wanted within IDLE_S, the
         service closed its side or sent what nobody asked for, or the pool is full."""
+        try:
+            await ws.send_text(TCP_REST)  # kept, not in use: the sandbox may idle-pause
+        except GONE:
+            return None
         self.next = asyncio.get_running_loop().create_future()
         if not self.pool.keep(self):
             return None
@@ -189,9 +229,7 @@ class Tunnel:
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
         finally:
             self.pool.forget(self)
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, *GONE):
-                await watch
+            await _stop(watch)
         given = self.next.result() if self.next.done() else None
         self.next = None
         if watch.done() and not watch.cancelled() and given is not None:
@@ -210,9 +248,12 @@ class Tunnels:
 
     def send(self, key: Key, connect: Connect, exchange: Exchange, kept: bool = True) -> None:
         """Hand the exchange to a kept tunnel of `key` if there is one, else to a new one."""
-        if kept and (idle := self.idle.get(key)):
-            tunnel = idle.pop()
-            self._drop(key, idle)
+        idle = self.idle.get(key) if kept else None
+        # A request that cannot be sent again goes only on a tunnel kept a moment ago: the
+        # longer one was kept, the likelier its service is closing it just now (see above).
+        if idle and (exchange.replayable or time.monotonic() - idle[-1].since < FRESH_S):
+            tunnel = idle[-1]
+            self.forget(tunnel)
             tunnel.give(exchange)
             return
         self.live.add(Tunnel(self, key, connect, exchange))
@@ -224,6 +265,7 @@ class Tunnels:
             return False
         idle.append(tunnel)
         self.count += 1
+        tunnel.since = time.monotonic()
         return True
 
     def forget(self, tunnel: Tunnel) -> None:
@@ -279,9 +321,12 @@ async def exchange(
 def _error(e: Exception, exchange: Exchange, reused: bool) -> Exception:
     if reused and not exchange.head.done() and (not exchange.written or exchange.replayable):
         return Resend()
-    why = str(e) if isinstance(e, Closed) else _why(e)
-    return APIError(e.status if isinstance(e, Closed) else 502,
-                    f"port {exchange.port} in the sandbox: {why}")  # fmt: skip
+    status = 502
+    if isinstance(e, Closed):
+        status = e.status
+    elif isinstance(e, UpstreamDisconnect) and 4000 <= e.code < 4600:
+        status = e.code - 4000  # the worker's: 4000 + the HTTP status it means
+    return APIError(status, f"port {exchange.port} in the sandbox: {_why(e)}")
 
 
 async def _send(ws: AsyncWebSocketSession, conn: h11.Connection, event: h11.Event) -> None:
@@ -292,25 +337,6 @@ async def write_tcp(ws: AsyncWebSocketSession, data: bytes) -> None:
     """Bytes to the service, in frames the worker takes."""
     for i in range(0, len(data), TCP_FRAME):
         await ws.send_bytes(data[i : i + TCP_FRAME])
-
-
-async def _send_body(
-    ws: AsyncWebSocketSession, conn: h11.Connection, request: Request, gone: Callable[[], object]
-) -> None:
-    """The client's body, as it arrives; then `gone()` once the client hangs up, so a service
-    that is quiet for a while (a long computation) learns at once that nobody waits for it.
-    Our side of the connection stays open meanwhile: the request is framed, and servers that
-    take a half-close for a hang-up (tornado, Node's by default) would drop it unanswered."""
-    try:
-        async for chunk in request.stream():
-            if chunk:
-                await _send(ws, conn, h11.Data(data=chunk))
-        await _send(ws, conn, h11.EndOfMessage())
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    except ClientDisconnect:  # gone in the middle of its body
-        pass
-    gone()
 
 
 async def _events(
@@ -350,10 +376,13 @@ def _why(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-async def _stop(task: asyncio.Task[None]) -> None:
+async def _stop(task: asyncio.Future[Any]) -> None:
+    """Cancel the task and wait for its end. A cancel of the caller meanwhile is the caller's
+    (it propagates); the task's own end, whatever it was, is not."""
     _cancel_once(task)
-    with contextlib.suppress(asyncio.CancelledError, UpstreamDisconnect, HTTPXWSException):
-        await task
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: how it ended no longer matters
 
 
 _closing: set[asyncio.Task[None]] = set()
@@ -370,7 +399,8 @@ async def close_tunnel(ws: AsyncWebSocketSession) -> None:
         await asyncio.shield(closing)
 
 
-def _cancel_once(task: asyncio.Task[None]) -> None:
+def _cancel_once(task: asyncio.Future[Any]) -> None:
     """Cancel the task unless it is already being cancelled."""
-    if not task.done() and not task.cancelling():
-        task.cancel()
+    if task.done() or (isinstance(task, asyncio.Task) and task.cancelling()):
+        return
+    task.cancel()

@@ -91,13 +91,15 @@ class ExecRoutes:
 
     async def tcp_ws(self, ws: WebSocket) -> None:
         """Bytes both ways to a port the guest listens on (ingress); see `tcp.bridge`."""
+        vm_id = self.api._vm_id(ws)
         try:
-            agent = (await self.api.manager.agent(self.api._vm_id(ws)))[1]
+            agent = (await self.api.manager.agent(vm_id))[1]
         except (VMManagerError, AgentConnectionLost, VMMError) as e:
             await ws.accept()
             await ws_fail(ws, as_problem(e))
             return
-        await tcp.bridge(ws, agent, int(ws.path_params["port"]))
+        use = tcp.Use(self.api.activity, vm_id)
+        await tcp.bridge(ws, agent, int(ws.path_params["port"]), use)
 
 
 def routes(api: WorkerAPI) -> list[BaseRoute]:

@@ -41,10 +41,12 @@ VOLUME_ID = re.compile(r"^[a-z0-9][a-z0-9-]{2,19}$")  # it is the drive's serial
 VOLUME_SLOTS = 2
 MAX_PATH = 4096
 # The guest TCP WebSocket (/vms/{id}/tcp/{port}): binary messages are the connection's bytes both
-# ways; the client's text message TCP_EOF ends its side; the worker closes with 1000 once the
-# guest's side ended and everything was sent, or with 4000 + an HTTP status and the reason when
-# the connection could not be made or broke.
+# ways; the client's text message TCP_EOF ends its side; TCP_REST says the connection is only
+# kept for later (it stops counting as the VM's use until its next bytes); the worker closes with
+# 1000 once the guest's side ended and everything was sent, or with 4000 + an HTTP status and the
+# reason when the connection could not be made or broke.
 TCP_EOF = "eof"
+TCP_REST = "rest"
 TCP_FRAME = 32 << 10  # bytes per message, under what WebSocket clients accept
 MAX_CONTEXT_B64 = 96 << 20  # a build context of up to 64 MiB (files to copy into a template)
 

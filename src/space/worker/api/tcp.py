@@ -10,14 +10,35 @@ import contextlib
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from space.worker.agent_client import AgentClient, AgentError, TcpStream
-from space.worker.api.models import TCP_EOF, TCP_FRAME
+from space.worker.api.activity import Activity
+from space.worker.api.models import TCP_EOF, TCP_FRAME, TCP_REST
 
 CONNECT_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 300.0  # a connection that moves no byte either way for this long is ended
 REFUSED = {"connection_refused": 502, "timeout": 504}
 
 
-async def bridge(ws: WebSocket, agent: AgentClient, port: int) -> None:
+class Use:
+    """The connection as the VM's use (`Activity`): counted while it is open (the activity
+    middleware), except while the client keeps it only for later (TCP_REST, until the next
+    bytes)."""
+
+    def __init__(self, activity: Activity, vm_id: str) -> None:
+        self.activity, self.vm_id = activity, vm_id
+        self.resting = False
+
+    def rest(self) -> None:
+        if not self.resting:
+            self.resting = True
+            self.activity.end(self.vm_id)
+
+    def wake(self) -> None:
+        if self.resting:
+            self.resting = False
+            self.activity.begin(self.vm_id)
+
+
+async def bridge(ws: WebSocket, agent: AgentClient, port: int, use: Use) -> None:
     await ws.accept()
     try:
         stream = await agent.tcp_connect(
@@ -30,7 +51,7 @@ async def bridge(ws: WebSocket, agent: AgentClient, port: int) -> None:
         return
     async with stream:
         down = asyncio.ensure_future(_down(ws, stream))
-        up = asyncio.ensure_future(_up(ws, stream))
+        up = asyncio.ensure_future(_up(ws, stream, use))
         try:
             # The guest's side ended (or broke): nothing more to send. Or the client went
             # away (`_up` aborted the connection): nobody to send to.
@@ -43,6 +64,7 @@ async def bridge(ws: WebSocket, agent: AgentClient, port: int) -> None:
             for task in (up, down):
                 with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, AgentError):
                     await task
+            use.wake()  # the middleware ends what it began
     with contextlib.suppress(WebSocketDisconnect, RuntimeError):
         await ws.close(code=1000)
 
@@ -58,13 +80,16 @@ async def _down(ws: WebSocket, stream: TcpStream) -> None:
         raise WebSocketDisconnect(4502) from None
 
 
-async def _up(ws: WebSocket, stream: TcpStream) -> None:
+async def _up(ws: WebSocket, stream: TcpStream, use: Use) -> None:
     while True:
         message = await ws.receive()
         if message["type"] == "websocket.disconnect":
             await stream.close()
             return
         if message.get("bytes"):
+            use.wake()
             await stream.write(message["bytes"])
         elif message.get("text") == TCP_EOF:
             await stream.close_write()
+        elif message.get("text") == TCP_REST:
+            use.rest()
