@@ -133,8 +133,11 @@ def interpreter(
     its first cell) and cells on one sandbox."""
     with space.Space(url, keys["admin"]) as admin:
         admin.build_template("code-interpreter", space.interpreter.SPEC)
-        for _ in admin.build_log("code-interpreter"):
-            pass
+        log = list(admin.build_log("code-interpreter"))
+        built = {t.id: t for t in admin.templates()}.get("code-interpreter")
+        if built is None or built.state != "ready":
+            why = "\n".join(log[-20:]) + f"\n{built.error if built else 'no template'}"
+            raise SystemExit(f"the code-interpreter template did not build:\n{why}")
     # The first create makes the template's base snapshot (a boot, the kernel started).
     e2b_code_interpreter.Sandbox.create(**opts).kill()
     made: list[float] = []

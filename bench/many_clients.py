@@ -109,7 +109,8 @@ class Client:
         code = None
         async with self.http.stream("POST", f"/v1/sandboxes/{self.sid}/exec",
                                     json={"argv": ["true"]}) as r:  # fmt: skip
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
             async for line in r.aiter_lines():
                 if line and (event := json.loads(line))["type"] == "exit":
                     code = event["exit_code"]
@@ -119,7 +120,8 @@ class Client:
     async def write(self) -> None:
         r = await self.http.put(f"/v1/sandboxes/{self.sid}/files",
                                 params={"path": "/root/note"}, content=FILE)  # fmt: skip
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
 
     async def loop(self, until: float) -> None:
         # The first command wakes a guest that sat idle: timed on its own, not in the steady run.
