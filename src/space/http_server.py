@@ -13,6 +13,10 @@ import socket
 import uvicorn
 
 DRAIN_S = 1.0
+# Idle connections are kept longer than clients keep theirs (httpx: 5 s, uvicorn's own default
+# too): with equal times a client now and then sends a request on a connection the server is
+# closing just then, and it fails unanswered (the API saw its worker "unreachable" under load).
+KEEP_ALIVE_S = 10
 
 
 class Server(uvicorn.Server):

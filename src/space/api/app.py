@@ -45,7 +45,7 @@ from space.db.listen import Listener
 from space.db.sealing import Sealer
 from space.db.store import Store, connect
 from space.e2b import app as e2b_app
-from space.http_server import Server
+from space.http_server import KEEP_ALIVE_S, Server
 from space.identity import WorkerCA
 from space.logs import RequestLog
 from space.settings import Settings
@@ -153,5 +153,6 @@ async def serve(settings: Settings, database_url: str) -> None:
         log_config=None,  # its lines go through our handler, in our format
         ws="wsproto",
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     await Server(config).serve()

@@ -32,7 +32,7 @@ from starlette.websockets import WebSocket
 
 from space.gateway.client import GatewayError, Traffic
 from space.gateway.policy import Policy
-from space.http_server import Server
+from space.http_server import KEEP_ALIVE_S, Server
 from space.identity import TLSFiles
 from space.logs import RequestLog
 from space.problem import problem
@@ -503,7 +503,7 @@ async def serve(
     config = uvicorn.Config(
         make_app(manager, secret, fence, problems, instance), host=host, port=port,
         log_level="warning", log_config=None, **ssl_options,
-        lifespan="off", timeout_graceful_shutdown=5,
+        lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
         ws="wsproto",  # the default implementation logs an error for every refused WebSocket
     )  # fmt: skip
     server = Server(config)
