@@ -126,7 +126,10 @@ class Client:
     async def loop(self, until: float) -> None:
         # The first command wakes a guest that sat idle: timed on its own, not in the steady run.
         t = time.perf_counter()
-        await self.command()
+        try:
+            await self.command()
+        except (httpx.HTTPError, RuntimeError) as e:
+            self.errors.append(f"{type(e).__name__}: {e}"[:200])
         self.first = time.perf_counter() - t
         while time.perf_counter() < until:
             for op, samples in ((self.command, self.commands), (self.write, self.writes)):

@@ -13,14 +13,22 @@ from .helpers import create, run, wait_state
 
 # GET /peer answers the client's port as the service sees it (one per TCP connection); GET /big
 # answers 8 MiB; GET /extra answers 5 bytes and, in the same write, a second answer nobody asked
-# for; HEAD answers as GET does, body included (a careless service, but a common one); POST
-# answers the length it read. Idle connections are closed after IDLE seconds.
+# for; GET /open answers how many connections it has open; HEAD answers as GET does, body
+# included (a careless service, but a common one); POST answers the length it read. Idle
+# connections are closed after IDLE seconds.
 SERVICE = """
 import http.server, sys, time
 FORGED = b"HTTP/1.1 200 OK\\r\\nContent-Length: 6\\r\\n\\r\\nforged"
+OPEN = set()
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = float(sys.argv[2])
+    def setup(self):
+        super().setup()
+        OPEN.add(self.client_address[1])
+    def finish(self):
+        OPEN.discard(self.client_address[1])
+        super().finish()
     def answer(self, body, extra=b"", length=None):
         length = len(body) if length is None else length
         head = f"HTTP/1.1 200 OK\\r\\nContent-Length: {length}\\r\\n\\r\\n".encode()
@@ -30,6 +38,8 @@ class H(http.server.BaseHTTPRequestHandler):
             self.answer(b"x" * (8 << 20))
         elif self.path == "/extra":
             self.answer(b"hello", FORGED)
+        elif self.path == "/open":
+            self.answer(str(len(OPEN)).encode())
         else:
             self.answer(str(self.client_address[1]).encode())
     def do_HEAD(self):
@@ -80,6 +90,10 @@ def test_requests_to_a_port_share_one_connection_until_one_is_cut(platform: Plat
         # A client that leaves mid-answer ends that connection: the next gets a new one, whole.
         with c.stream("GET", f"{url}/big") as big:
             next(big.iter_raw())
+        deadline = time.monotonic() + 10
+        while (n := c.get(f"{url}/open").text) != "1":  # the one this asks on
+            assert time.monotonic() < deadline, f"{n} connections open"
+            time.sleep(0.1)
         after = peer(c, url)
         assert after != first
         assert len(c.get(f"{url}/big").content) == 8 << 20
@@ -92,11 +106,11 @@ def test_requests_to_a_port_share_one_connection_until_one_is_cut(platform: Plat
 
 
 def test_a_connection_the_service_closed_while_kept_is_not_used(platform: Platform) -> None:
-    """The service ends idle connections after 0.5 s (as Node's and uvicorn's do after 5 s):
+    """The service ends idle connections after 0.2 s (as Node's and uvicorn's do after 5 s):
     requests that come later, a POST with a body among them, are answered on a new one."""
     with platform.client() as c:
         sid = create(c)["id"]
-        url = serve(c, sid, 8101, idle_s=0.5)
+        url = serve(c, sid, 8101, idle_s=0.2)
         seen = {peer(c, url)}
         for _ in range(3):
             time.sleep(1.0)

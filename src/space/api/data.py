@@ -41,7 +41,9 @@ class ClosingStream(StreamingResponse):
     among the tenant's followers), even when the client leaves before the first byte (then the
     body generator never starts)."""
 
-    def __init__(self, body: AsyncIterator[bytes], media_type: str, stack: AsyncExitStack):
+    def __init__(
+        self, body: AsyncIterator[bytes], media_type: str | None, stack: AsyncExitStack
+    ) -> None:
         super().__init__(body, media_type=media_type)
         self._stack = stack
 

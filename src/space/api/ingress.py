@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Annotated
 from urllib.parse import quote, unquote
 
 import h11
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection
 
-from space.api.data import target
+from space.api.data import ClosingStream, target
 from space.api.deps import Svc
 from space.api.ingress_tunnels import exchange
 from space.api.previews import Port, ingress_caller, without_link
@@ -59,13 +59,15 @@ async def ingress(
                                   _request(request, port, path), HEAD_TIMEOUT_S)  # fmt: skip
 
     async def body() -> AsyncIterator[bytes]:
-        try:
-            while (chunk := await sent.chunks.get()) is not None:
-                yield chunk
-        finally:
-            await sent.stop()
+        while (chunk := await sent.chunks.get()) is not None:
+            yield chunk
 
-    response = StreamingResponse(body(), status_code=answer.status_code)
+    # Stopped however the answer ends: also when the client left before its first byte (then
+    # `body` never starts), or the tunnel would wait on a full queue for ever.
+    stack = AsyncExitStack()
+    stack.push_async_callback(sent.stop)
+    response = ClosingStream(body(), None, stack)
+    response.status_code = answer.status_code
     # h11 parsed the answer by its Content-Length (never with Transfer-Encoding): the client gets
     # that many bytes, and a download its size, or a cut connection if the service's ends early.
     response.raw_headers = [(k.lower(), v) for k, v in answer.headers

@@ -36,12 +36,14 @@ from starlette.requests import ClientDisconnect, Request
 from wsproto.utilities import LocalProtocolError
 
 from space.api.errors import APIError
+from space.worker.api.client import WorkerError
 from space.worker.api.models import TCP_FRAME, TCP_REST
 
 IDLE_S = 60.0  # a kept tunnel no request used for this long is closed
-FRESH_S = 2.0  # kept at most this long, a tunnel takes requests that cannot be sent again
+FRESH_S = 1.0  # kept at most this long, a tunnel takes requests that cannot be sent again
 IDLE_PER_PORT = 4  # kept tunnels per (worker, sandbox, port); more are closed after their answer
-IDLE_IN_ALL = 256
+# Each kept tunnel holds a connection of the worker client's pool (200): most stay for calls.
+IDLE_IN_ALL = 64
 IDEMPOTENT = {"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"}
 # A tunnel's ends: closed by the worker or the service, broken, or closing as we write.
 GONE = (UpstreamDisconnect, HTTPXWSException, LocalProtocolError, OSError, httpx.HTTPError)
@@ -189,6 +191,9 @@ class Tunnel:
         except (OSError, httpx.HTTPError) as e:  # the worker itself out of reach
             if current is not None:
                 current.fail(APIError(503, f"the sandbox's worker did not answer: {e}"))
+        except WorkerError as e:  # refused before any connection (its address, its TLS)
+            if current is not None:
+                current.fail(e)
         except asyncio.CancelledError:  # the client went away: nobody waits for more
             cancelled = True
             if current is not None:

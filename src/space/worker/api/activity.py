@@ -2,7 +2,8 @@
 resume), counted as they begin and end, so a stream held open keeps its VM busy. The controller
 pauses a sandbox whose idle time passes its idle timeout; the worker's own calls (health,
 stats, audit, network, pause) are not use, and neither is a file watch held open (it only
-listens: what changes the files is use of its own).
+listens: what changes the files is use of its own). An ingress connection counts itself
+(`tcp.Use`): it is use while open, except while the API keeps it idle for a next request.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 USE = re.compile(
-    r"^/vms/(?P<id>[A-Za-z0-9_-]{1,64})(?P<what>/exec(?:/ws)?|/tcp/\d+|/files(?:/(?!watch)\w+)?"
+    r"^/vms/(?P<id>[A-Za-z0-9_-]{1,64})(?P<what>/exec(?:/ws)?|/files(?:/(?!watch)\w+)?"
     r"|/processes(?:/[^/]+(?:/\w+)?)?|/claim|/resume|)$"
 )
 

@@ -19,13 +19,14 @@ REFUSED = {"connection_refused": 502, "timeout": 504}
 
 
 class Use:
-    """The connection as the VM's use (`Activity`): counted while it is open (the activity
-    middleware), except while the client keeps it only for later (TCP_REST, until the next
-    bytes)."""
+    """The connection as the VM's use (`Activity`): from its start to its end, except while
+    the client keeps it only for later (TCP_REST, until its next bytes). A connection that ends
+    while kept is not use either: the VM's idle time runs from the kept one's last answer."""
 
     def __init__(self, activity: Activity, vm_id: str) -> None:
         self.activity, self.vm_id = activity, vm_id
         self.resting = False
+        activity.begin(vm_id)
 
     def rest(self) -> None:
         if not self.resting:
@@ -37,8 +38,18 @@ class Use:
             self.resting = False
             self.activity.begin(self.vm_id)
 
+    def close(self) -> None:
+        self.rest()
+
 
 async def bridge(ws: WebSocket, agent: AgentClient, port: int, use: Use) -> None:
+    try:
+        await _bridge(ws, agent, port, use)
+    finally:
+        use.close()
+
+
+async def _bridge(ws: WebSocket, agent: AgentClient, port: int, use: Use) -> None:
     await ws.accept()
     try:
         stream = await agent.tcp_connect(
@@ -64,7 +75,6 @@ async def bridge(ws: WebSocket, agent: AgentClient, port: int, use: Use) -> None
             for task in (up, down):
                 with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, AgentError):
                     await task
-            use.wake()  # the middleware ends what it began
     with contextlib.suppress(WebSocketDisconnect, RuntimeError):
         await ws.close(code=1000)
 
