@@ -248,7 +248,6 @@ class Tunnels:
 
     def __init__(self) -> None:
         self.idle: dict[Key, list[Tunnel]] = {}
-        self.count = 0  # idle, in all
         self.live: set[Tunnel] = set()
 
     def send(self, key: Key, connect: Connect, exchange: Exchange, kept: bool = True) -> None:
@@ -264,12 +263,12 @@ class Tunnels:
         self.live.add(Tunnel(self, key, connect, exchange))
 
     def keep(self, tunnel: Tunnel) -> bool:
+        kept = sum(len(idle) for idle in self.idle.values())
         idle = self.idle.setdefault(tunnel.key, [])
-        if len(idle) >= IDLE_PER_PORT or self.count >= IDLE_IN_ALL:
+        if len(idle) >= IDLE_PER_PORT or kept >= IDLE_IN_ALL:
             self._drop(tunnel.key, idle)
             return False
         idle.append(tunnel)
-        self.count += 1
         tunnel.since = time.monotonic()
         return True
 
@@ -278,7 +277,6 @@ class Tunnels:
         idle = self.idle.get(tunnel.key, [])
         if tunnel in idle:
             idle.remove(tunnel)
-            self.count -= 1
         self._drop(tunnel.key, idle)
 
     def _drop(self, key: Key, idle: list[Tunnel]) -> None:

@@ -38,15 +38,12 @@ class Use:
             self.resting = False
             self.activity.begin(self.vm_id)
 
-    def close(self) -> None:
-        self.rest()
-
 
 async def bridge(ws: WebSocket, agent: AgentClient, port: int, use: Use) -> None:
     try:
         await _bridge(ws, agent, port, use)
     finally:
-        use.close()
+        use.rest()  # ended: no use any more (nothing to do if it was kept when it ended)
 
 
 async def _bridge(ws: WebSocket, agent: AgentClient, port: int, use: Use) -> None:
