@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from space.api import sandboxes as space
 from space.api.deps import Svc, authenticate
 from space.api.errors import APIError, validation_detail
-from space.api.schemas import SandboxCreate, TimeoutUpdate
+from space.api.schemas import NetworkUpdate, SandboxCreate, TimeoutUpdate
 from space.db.store import Conflict, Row, Tenant
 from space.e2b import tokens
 from space.netpolicy import NetworkPolicy
@@ -64,6 +64,17 @@ class NetworkConfig(Lenient):
     deny_out: list[str] | None = Field(None, alias="denyOut", max_length=256)
 
 
+class NetworkChange(NetworkConfig):
+    """E2B's update of a sandbox's egress: the whole of it, what is left out is cleared."""
+
+    allow_internet_access: bool | None = None
+    # E2B's that SPACE's gateway does its own way: refused on an update, so that nothing the
+    # caller asked for is silently left out of what is in force.
+    dns_servers: list[str] | None = Field(None, alias="dnsServers")
+    egress_proxy: dict[str, Any] | None = Field(None, alias="egressProxy")
+    rules: dict[str, Any] | None = None
+
+
 class NewSandbox(Lenient):
     template_id: str = Field("base", alias="templateID", min_length=1, max_length=64)
     timeout: int | None = Field(None, ge=1, le=7 * 24 * 3600)
@@ -88,14 +99,16 @@ def e2b_state(row: Row) -> str:
     return "paused" if row["state"] in PAUSED else "running"
 
 
-def egress(body: NewSandbox) -> NetworkPolicy | None:
+def egress(network: NetworkConfig | None, internet: bool | None) -> NetworkPolicy | None:
     """E2B's egress switches as a SPACE policy. Without one SPACE's default holds (deny), where
     E2B's is to let everything out: an E2B user who wants the internet says so."""
-    out = body.network.allow_out if body.network else None
-    denied = set(body.network.deny_out or ()) if body.network else set()
+    out = network.allow_out if network else None
+    denied = set(network.deny_out or ()) if network else set()
     if denied - EVERYWHERE:
         raise APIError(400, "network.denyOut takes only 0.0.0.0/0 (SPACE denies what "
                             "network.allowOut does not list)")  # fmt: skip
+    if out and EVERYWHERE & set(out):  # E2B's "all traffic"
+        return NetworkPolicy(default="allow")
     if out:
         hosts: list[str] = []
         cidrs: list[str] = []
@@ -104,7 +117,7 @@ def egress(body: NewSandbox) -> NetworkPolicy | None:
         return _valid(NetworkPolicy, {
             "hosts": [{"pattern": h} for h in hosts], "cidrs": [{"cidr": c} for c in cidrs],
         })  # fmt: skip
-    if body.allow_internet_access:
+    if internet:
         return NetworkPolicy(default="allow")
     return None
 
@@ -190,7 +203,7 @@ async def create(
         "timeout_action": "suspend" if body.auto_pause else "delete",
         "env": body.env_vars or {},
         "metadata": body.metadata or {},
-        "network": egress(body),
+        "network": egress(body.network, body.allow_internet_access),
     })  # fmt: skip
     made = await space.create_sandbox(spec, svc, who, Response(), idempotency_key)
     return sandbox(await svc.store.get_sandbox(made.id, who.id), svc, who)
@@ -281,4 +294,22 @@ async def pause(sandbox_id: str, svc: Svc, who: E2BCaller) -> Response:
         await space.suspend_sandbox(sandbox_id, svc, who)
     except Conflict as e:
         raise APIError(409, str(e)) from None
+    return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(
+    sandbox_id: str, body: NetworkChange, svc: Svc, who: E2BCaller
+) -> Response:
+    """The sandbox's egress policy replaced, in force when answered (SPACE's own update):
+    without `allowOut` or `allow_internet_access`, SPACE's default policy."""
+    await alive(svc, who, sandbox_id)
+    if body.dns_servers or body.egress_proxy or body.rules:
+        raise APIError(400, "dnsServers, egressProxy and rules are not supported by SPACE's E2B "
+                            "surface: SPACE's gateway resolves names and injects credentials "
+                            "itself (its own API: secrets bound to hosts)")  # fmt: skip
+    policy = egress(body, body.allow_internet_access)
+    if policy is None:
+        policy = NetworkPolicy(default=svc.settings.egress_default)
+    await space.set_network(sandbox_id, NetworkUpdate(network=policy), svc, who, Response())
     return Response(status_code=204)

@@ -1,0 +1,132 @@
+"""E2B's fork, network update and metrics through the unmodified `e2b` SDK, in real sandboxes:
+children that start from their parent's state and go their own way, an egress policy changed
+on a running sandbox and tried from inside it, CPU and memory measured on the host. And what
+must not work: another tenant's sandbox, bad input."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+from e2b import CommandExitException, Sandbox
+from e2b.exceptions import SandboxException
+
+from ..stack import Platform
+from .helpers import fetch
+from .test_e2b import opts
+
+pytestmark = pytest.mark.vm
+
+MiB = 1 << 20
+
+
+def e2b_call(platform: Platform, method: str, path: str, key: str, **kw: object) -> httpx.Response:
+    return httpx.request(method, f"{platform.api_url}/e2b{path}", headers={"X-API-Key": key},
+                         timeout=60, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_fork_children_start_from_the_parents_state(platform: Platform) -> None:
+    parent = Sandbox.create(timeout=600, **opts(platform))
+    children: list[Sandbox] = []
+    try:
+        parent.commands.run("echo before > /root/state")
+        parent_end = parent.get_info().end_at
+        forked = parent.fork(count=2, timeout=120)
+        assert all(isinstance(c, Sandbox) for c in forked), forked
+        children = [c for c in forked if isinstance(c, Sandbox)]
+        ids = {c.sandbox_id for c in children}
+        assert len(ids) == 2 and parent.sandbox_id not in ids
+        for child in children:
+            assert child.commands.run("cat /root/state").stdout == "before\n"
+            child.commands.run(f"echo {child.sandbox_id} > /root/own")
+            left = child.get_info().end_at - datetime.now(UTC)
+            assert timedelta(seconds=60) < left <= timedelta(seconds=121), left
+        # Each went its own way: neither the parent nor the sibling sees what a child wrote.
+        with pytest.raises(CommandExitException):
+            parent.commands.run("test -e /root/own")
+        first, second = children
+        assert second.commands.run("cat /root/own").stdout == f"{second.sandbox_id}\n"
+        assert first.commands.run("cat /root/own").stdout == f"{first.sandbox_id}\n"
+        assert parent.is_running() and parent.get_info().end_at == parent_end
+        # Another tenant cannot fork it; what the count may be is checked.
+        r = e2b_call(platform, "POST", f"/sandboxes/{parent.sandbox_id}/fork", platform.key_b,
+                     json={"count": 1})  # fmt: skip
+        assert r.status_code == 404 and r.json()["code"] == 404, r.text
+        for count in (0, 17, "two"):
+            r = e2b_call(platform, "POST", f"/sandboxes/{parent.sandbox_id}/fork", platform.key_a,
+                         json={"count": count})  # fmt: skip
+            assert r.status_code in (400, 422) and r.json()["message"], r.text
+    finally:
+        for sandbox in (*children, parent):
+            sandbox.kill()
+
+
+def test_update_network_changes_egress_from_inside(platform: Platform) -> None:
+    sbx = Sandbox.create(timeout=600, **opts(platform))
+    try:
+        with platform.client() as c:
+            sid = sbx.sandbox_id
+            assert fetch(c, sid, "http://allowed.test/")[0] == 3  # SPACE's default: deny
+            sbx.update_network({"allow_out": ["allowed.test"]})
+            code, out = fetch(c, sid, "http://allowed.test/")
+            assert code == 0, out
+            assert fetch(c, sid, "http://other.test/")[0] == 3
+            # An update replaces the whole policy: what it leaves out is cleared.
+            sbx.update_network({})
+            assert fetch(c, sid, "http://allowed.test/")[0] == 3
+            sbx.update_network({"allow_out": ["0.0.0.0/0"]})
+            assert fetch(c, sid, "http://other.test/")[0] == 0
+        for body in ({"denyOut": ["10.0.0.0/8"]}, {"rules": {"x.test": []}},
+                     {"dnsServers": ["9.9.9.9"]}, {"allowOut": ["not a host!"]}):  # fmt: skip
+            r = e2b_call(platform, "PUT", f"/sandboxes/{sid}/network", platform.key_a, json=body)
+            assert r.status_code == 400 and r.json()["code"] == 400, r.text
+        with pytest.raises(SandboxException, match="denyOut"):
+            sbx.update_network({"deny_out": ["10.0.0.0/8"]})
+        r = e2b_call(platform, "PUT", f"/sandboxes/{sid}/network", platform.key_b,
+                     json={"allowOut": ["allowed.test"]})  # fmt: skip
+        assert r.status_code == 404, r.text
+        with platform.client() as c:
+            assert fetch(c, sid, "http://other.test/")[0] == 0  # the refused ones changed nothing
+    finally:
+        sbx.kill()
+
+
+def test_metrics_are_measured_on_the_host(platform: Platform) -> None:
+    sbx = Sandbox.create(timeout=600, **opts(platform))
+    try:
+        info = sbx.get_info()
+        spin = sbx.commands.run("timeout 20 sh -c 'while :; do :; done'", background=True)
+        time.sleep(1)
+        busy = sbx.get_metrics()
+        assert len(busy) == 1, busy
+        point = busy[0]
+        assert point.cpu_count == info.cpu_count
+        assert point.mem_total == info.memory_mb * MiB
+        assert 16 * MiB < point.mem_used <= point.mem_total
+        with platform.client() as c:
+            disk_mib = c.get(f"/v1/sandboxes/{sbx.sandbox_id}").json()["disk_mib"]
+        assert point.disk_total == disk_mib * MiB and 0 < point.disk_used <= point.disk_total
+        assert abs(point.timestamp - datetime.now(UTC)) < timedelta(seconds=30)
+        spin.kill()
+        time.sleep(2)
+        idle = sbx.get_metrics()[0]
+        # A guest spinning keeps its vCPU busy; the same guest idle leaves it mostly idle.
+        assert point.cpu_used_pct > 50 and idle.cpu_used_pct < point.cpu_used_pct / 2, (
+            point.cpu_used_pct,
+            idle.cpu_used_pct,
+        )
+        later = datetime.now(UTC) + timedelta(hours=1)
+        assert sbx.get_metrics(start=later) == []
+        r = e2b_call(platform, "GET", f"/sandboxes/{sbx.sandbox_id}/metrics", platform.key_b)
+        assert r.status_code == 404, r.text
+        r = e2b_call(platform, "GET", f"/sandboxes/{sbx.sandbox_id}/metrics", platform.key_a,
+                     params={"start": "yesterday"})  # fmt: skip
+        assert r.status_code in (400, 422) and r.json()["message"], r.text
+        assert sbx.pause() is True
+        assert sbx.get_metrics() == []  # nothing runs
+    finally:
+        sbx.kill()
+    with pytest.raises(SandboxException):
+        Sandbox.get_metrics(sbx.sandbox_id, **opts(platform))
