@@ -130,3 +130,80 @@ def test_metrics_are_measured_on_the_host(platform: Platform) -> None:
         sbx.kill()
     with pytest.raises(SandboxException):
         Sandbox.get_metrics(sbx.sandbox_id, **opts(platform))
+
+
+def test_snapshots_start_sandboxes_as_they_were_and_are_their_tenants_alone(
+    platform: Platform,
+) -> None:
+    b = opts(platform, platform.key_b)
+    source = Sandbox.create(timeout=600, **opts(platform))
+    made: list[Sandbox] = []
+    try:
+        source.commands.run("echo kept > /root/state")
+        source.commands.run("sleep 1000 & echo $! > /root/pid", background=False)
+        snap = source.create_snapshot()
+        assert snap.snapshot_id.startswith("snap-") and snap.names == []
+        named = source.create_snapshot(name="my-snap")
+        assert named.names == ["my-snap"] and named.snapshot_id != "my-snap"
+        # The source runs on, untouched.
+        assert source.commands.run("cat /root/state").stdout == "kept\n"
+        listed = Sandbox.list_snapshots(sandbox_id=source.sandbox_id, **opts(platform))
+        assert {s.snapshot_id for s in listed.next_items()} == {
+            snap.snapshot_id,
+            named.snapshot_id,
+        }
+        by_name = Sandbox.list_snapshots(name="my-snap", **opts(platform)).next_items()
+        assert [s.snapshot_id for s in by_name] == [named.snapshot_id]
+        source.kill()  # a snapshot outlives its sandbox
+        # Sandboxes of it start as it was: its files, and its processes running.
+        for template in (snap.snapshot_id, "my-snap"):
+            child = Sandbox.create(template=template, timeout=300, **opts(platform))
+            made.append(child)
+            assert child.commands.run("cat /root/state").stdout == "kept\n"
+            child.commands.run("kill -0 $(cat /root/pid)")
+        # Another tenant sees none of it, by id or by name, and cannot delete it.
+        for template in (snap.snapshot_id, "my-snap", named.snapshot_id):
+            with pytest.raises(SandboxException):
+                Sandbox.create(template=template, timeout=60, **b)
+        assert Sandbox.list_snapshots(**b).next_items() == []
+        assert Sandbox.delete_snapshot(snap.snapshot_id, **b) is False
+        with platform.client(platform.key_b) as c:
+            ids = {t["id"] for t in c.get("/v1/templates").json()["items"]}
+            assert snap.snapshot_id not in ids and named.snapshot_id not in ids
+            assert c.get(f"/v1/templates/{snap.snapshot_id}").status_code == 404
+        with platform.client() as c:
+            ids = {t["id"] for t in c.get("/v1/templates").json()["items"]}
+            assert {snap.snapshot_id, named.snapshot_id} <= ids
+        with platform.client(platform.admin_key) as admin:  # no warm pool: claims look at no owner
+            r = admin.put(f"/v1/templates/{snap.snapshot_id}/pool", json={"size": 1})
+            assert r.status_code == 404, r.text
+        # Not while a sandbox of it lives; then gone.
+        with pytest.raises(SandboxException):
+            Sandbox.delete_snapshot(snap.snapshot_id, **opts(platform))
+        for child in made:
+            child.kill()
+        assert Sandbox.delete_snapshot(snap.snapshot_id, **opts(platform)) is True
+        assert Sandbox.delete_snapshot(named.snapshot_id, **opts(platform)) is True
+        assert Sandbox.list_snapshots(**opts(platform)).next_items() == []
+    finally:
+        for sandbox in (*made, source):
+            sandbox.kill()
+
+
+def test_snapshot_bad_input_and_another_tenants_sandbox(platform: Platform) -> None:
+    sbx = Sandbox.create(timeout=300, **opts(platform))
+    try:
+        path = f"/sandboxes/{sbx.sandbox_id}/snapshots"
+        for body in ({"memory": False}, {"name": "Not A Name!"}, {"name": "x" * 60}):
+            r = e2b_call(platform, "POST", path, platform.key_a, json=body)
+            assert r.status_code == 400 and r.json()["message"], r.text
+        r = e2b_call(platform, "POST", path, platform.key_b, json={})
+        assert r.status_code == 404 and r.json()["code"] == 404, r.text
+        r = e2b_call(platform, "GET", "/snapshots", platform.key_a, params={"nextToken": "x"})
+        assert r.status_code == 400, r.text
+        r = e2b_call(platform, "DELETE", "/templates/base", platform.key_a)
+        assert r.status_code == 404, r.text  # only snapshots are a tenant's to delete
+        with platform.client() as c:  # no checkpoint was left behind by the refused ones
+            assert c.get(f"/v1/sandboxes/{sbx.sandbox_id}/checkpoints").json()["items"] == []
+    finally:
+        sbx.kill()

@@ -36,7 +36,7 @@ from space.api.schemas import (
 )
 from space.api.templates import fitted
 from space.controller.placement import Need, pick_worker, why_not
-from space.db.store import TRANSITIONAL, Conflict, NotFound, Refused, Row
+from space.db.store import TRANSITIONAL, Conflict, NotFound, Refused, Row, Tenant
 from space.netpolicy import gateway_policy, placeholder_env, policy_for, with_placeholders
 from space.quotas import over
 from space.worker.api.client import Worker, WorkerError
@@ -100,7 +100,7 @@ async def create_sandbox(
     started = time.perf_counter()
     if body.network is not None:
         svc.check_egress(body.network)
-    body = await _fit_template(svc, body)
+    body = await _fit_template(svc, body, caller)
     values = body.model_dump()
     values["idempotency_key"] = idempotency_key
     values["request_id"] = logs.request_id.get()  # the controller's lines for it carry it on
@@ -123,7 +123,7 @@ async def create_sandbox(
         CLAIMS.labels(body.template, "hit").inc()
     else:
         # Checked before any metric names it: labels only ever hold real template names.
-        if not await svc.store.template_exists(body.template):
+        if not await svc.store.template_exists(body.template, caller.id):
             raise APIError(404, f"no template {body.template!r}")
         if pooled:
             CLAIMS.labels(body.template, "miss").inc()
@@ -145,13 +145,13 @@ async def create_sandbox(
     return Sandbox.from_row(row)
 
 
-async def _fit_template(svc: Svc, body: SandboxCreate) -> SandboxCreate:
+async def _fit_template(svc: Svc, body: SandboxCreate, caller: Tenant) -> SandboxCreate:
     """A create that names no disk size gets the default, or its template's size if that is
     larger; one of a template made from a checkpoint gets that checkpoint's shape, and 400 if
-    it asks for another (`base` needs no look)."""
+    it asks for another (`base` needs no look; another tenant's own template none either)."""
     if body.template == "base":
         return body
-    record = await svc.store.template_record(body.template)
+    record = await svc.store.template_record(body.template, caller.id)
     if record is None:
         return body
     return body.model_copy(update=fitted(record, body))

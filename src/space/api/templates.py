@@ -29,7 +29,7 @@ from space.api.schemas import (
     Template,
     TemplateList,
 )
-from space.db.store import NotFound, Row
+from space.db.store import NotFound, Row, Tenant
 from space.db.store.templates import build_context
 from space.worker.api.client import Worker
 from space.worker.templates.record import shape_error
@@ -56,8 +56,9 @@ def fitted(record: dict[str, Any], body: SandboxCreate | PoolSettings) -> dict[s
     return update
 
 
-async def _template(svc: Services, template_id: str) -> Row:
-    rows = await svc.store.templates(template_id)
+async def _template(svc: Services, template_id: str, caller: Tenant) -> Row:
+    """One the caller sees (an admin: any)."""
+    rows = await svc.store.templates(template_id, None if caller.admin else caller.id)
     if not rows:
         raise APIError(404, f"no template {template_id!r}")
     return rows[0]
@@ -65,14 +66,15 @@ async def _template(svc: Services, template_id: str) -> Row:
 
 @router.get("", response_model=TemplateList)
 async def list_templates(svc: Svc, caller: Caller) -> TemplateList:
-    """Every template; how each was built (its environment, steps, commands) only for admins."""
-    rows = await svc.store.templates()
+    """Every template the caller may start sandboxes of (every tenant's and its own; an admin
+    sees all); how each was built (its environment, steps, commands) only for admins."""
+    rows = await svc.store.templates(tenant_id=None if caller.admin else caller.id)
     return TemplateList(items=[Template.from_row(r, admin=caller.admin) for r in rows])
 
 
 @router.get("/{template_id}", response_model=Template)
 async def get_template(template_id: str, svc: Svc, caller: Caller) -> Template:
-    return Template.from_row(await _template(svc, template_id), admin=caller.admin)
+    return Template.from_row(await _template(svc, template_id, caller), admin=caller.admin)
 
 
 @router.post("/{template_id}/builds", status_code=202, response_model=Template)
@@ -124,7 +126,7 @@ async def _checkpoint(svc: Services, caller: Caller, ref: CheckpointRef) -> Row:
 async def build_log(template_id: str, svc: Svc, caller: Caller) -> StreamingResponse:
     """The last build's log as plain text, streamed until the build ends."""
     require_admin(caller, "read build logs")
-    row = await _template(svc, template_id)
+    row = await _template(svc, template_id, caller)
     worker = await svc.store.worker(row["worker_id"]) if row["worker_id"] else None
     if row["build_id"] is None or worker is None:
         raise APIError(404, f"template {template_id} has no build log")
@@ -139,7 +141,7 @@ async def delete_template(template_id: str, svc: Svc, caller: Caller) -> Templat
     """Refused while a sandbox (not deleted) uses it; its warm pool is let go."""
     require_admin(caller, "delete templates")
     await svc.store.delete_template(template_id)
-    return Template.from_row(await _template(svc, template_id), admin=True)
+    return Template.from_row(await _template(svc, template_id, caller), admin=True)
 
 
 @router.put("/{template_id}/pool", response_model=Template)
@@ -155,4 +157,4 @@ async def set_pool(template_id: str, body: PoolSettings, svc: Svc, caller: Calle
                                  body.disk_mib)  # fmt: skip
     except NotFound:
         raise APIError(404, f"no template {template_id!r}") from None
-    return Template.from_row(await _template(svc, template_id), admin=True)
+    return Template.from_row(await _template(svc, template_id, caller), admin=True)

@@ -53,6 +53,12 @@ templates = sa.Table(
     sa.Column("record", JSONB),  # the worker's template.json: digest, env, workdir, start, …
     sa.Column("build_tenant_id", sa.Text),  # whose key asked for its latest build
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    # A tenant's own (a snapshot of one of its sandboxes): only it sees the template and starts
+    # sandboxes of it. None: every tenant's.
+    sa.Column("tenant_id", sa.Text),
+    sa.Column("source_sandbox_id", sa.Text),  # the sandbox a snapshot was made of
+    sa.Column("label", sa.Text),  # the name its tenant gave it
+    sa.Index("templates_tenant", "tenant_id", "created_at"),
 )
 
 workers = sa.Table(

@@ -195,6 +195,9 @@ async def create(
     if body.mcp is not None or body.volume_mounts:
         raise APIError(400, "mcp and volumeMounts are not supported by SPACE's E2B surface")
     template = ALIASES.get(body.template_id, body.template_id)
+    # The caller's own snapshot of that name first (see `snapshots`), as E2B's names are a team's.
+    if await svc.store.template_exists(own := space.chosen_id(template, who.id), who.id):
+        template = own
     shape = {"memory_mib": MEMORY_MIB[template]} if template in MEMORY_MIB else {}
     spec = _valid(SandboxCreate, {
         **shape,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -11,6 +13,21 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from space.db import tables as t
 from space.db.store.base import NotFound, Queries, Refused, Row
 from space.db.store.pools import drop_members
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A template that is one tenant's own: made of the state of `sandbox_id`, named `label`."""
+
+    tenant_id: str
+    sandbox_id: str
+    label: str | None
+
+
+def visible(tenant_id: str) -> sa.ColumnElement[bool]:
+    """Templates the tenant sees: every tenant's, and its own."""
+    tp = t.templates.c
+    return sa.or_(tp.tenant_id.is_(None), tp.tenant_id == tenant_id)
 
 
 def build_context(template_id: str) -> str:
@@ -23,21 +40,28 @@ class TemplateQueries(Queries):
         async with self.engine.begin() as c:
             await c.execute(pg_insert(t.templates).values(id=template_id).on_conflict_do_nothing())
 
-    async def template_record(self, template_id: str) -> dict[str, Any] | None:
-        """What the last good build of a template made (its worker's template.json)."""
+    async def template_record(
+        self, template_id: str, tenant_id: str | None = None
+    ) -> dict[str, Any] | None:
+        """What the last good build of a template made (its worker's template.json); None
+        also for one `tenant_id` does not see."""
         q = sa.select(t.templates.c.record).where(t.templates.c.id == template_id)
+        if tenant_id is not None:
+            q = q.where(visible(tenant_id))
         async with self.engine.connect() as c:
             record = (await c.execute(q)).scalar()
         return dict(record) if record else None
 
-    async def template_exists(self, template_id: str) -> bool:
-        """Whether sandboxes can be made of it: `base`, or a template built at least once
-        (a rebuild under way leaves the last build usable) and not being deleted."""
+    async def template_exists(self, template_id: str, tenant_id: str) -> bool:
+        """Whether the tenant can make sandboxes of it: `base`, or a template built at least
+        once (a rebuild under way leaves the last build usable), not being deleted, and every
+        tenant's or this one's."""
         tp = t.templates.c
         q = sa.select(tp.id).where(
             tp.id == template_id,
             tp.state != "deleting",
             sa.or_(tp.record.is_not(None), sa.and_(tp.worker_id.is_(None), tp.state == "ready")),
+            visible(tenant_id),
         )
         async with self.engine.connect() as c:
             return (await c.execute(q)).first() is not None
@@ -58,15 +82,19 @@ class TemplateQueries(Queries):
     async def request_build(
         self, template_id: str, request_id: str, spec: str, context: bytes,
         environ: tuple[str, bytes] | None, checkpoint: Row | None = None,
-        tenant_id: str | None = None,
+        tenant_id: str | None = None, private: Snapshot | None = None,
     ) -> Row:  # fmt: skip
         """Queue a build of a template (made by its first build); Refused while one is queued,
         under way or the template is being deleted. `environ` is (key id, sealed JSON). A
         build of a `checkpoint` runs on its worker: refused for a template that lives on
-        another."""
+        another. A `private` template is its tenant's alone (404 to any other's build)."""
         tp = t.templates.c
+        own = {} if private is None else {
+            "tenant_id": private.tenant_id, "source_sandbox_id": private.sandbox_id,
+            "label": private.label,
+        }  # fmt: skip
         async with self.engine.begin() as c:
-            await c.execute(pg_insert(t.templates).values(id=template_id, state="queued")
+            await c.execute(pg_insert(t.templates).values(id=template_id, state="queued", **own)
                             .on_conflict_do_nothing())  # fmt: skip
             row = (
                 (await c.execute(sa.select(t.templates).where(tp.id == template_id)
@@ -79,6 +107,10 @@ class TemplateQueries(Queries):
                     t.template_builds.c.template_id == template_id
                 )
             )
+            if row["tenant_id"] != (private.tenant_id if private else None):
+                if private is not None:  # another tenant's, or every tenant's: not for its name
+                    raise Refused(404, f"no template {template_id} of yours")
+                raise Refused(409, f"template {template_id} is a tenant's own snapshot")
             if row["state"] in ("building", "deleting") or queued.first() is not None:
                 state = "queued" if row["state"] not in ("building", "deleting") else row["state"]
                 raise Refused(409, f"template {template_id} is {state}")
@@ -254,8 +286,11 @@ class TemplateQueries(Queries):
         async with self.engine.begin() as c:
             await c.execute(t.templates.delete().where(t.templates.c.id == template_id))
 
-    async def templates(self, template_id: str | None = None) -> list[Row]:
-        """Templates with how many pool members each has ready and on the way."""
+    async def templates(
+        self, template_id: str | None = None, tenant_id: str | None = None
+    ) -> list[Row]:
+        """Templates with how many pool members each has ready and on the way: every one, or
+        those `tenant_id` sees (every tenant's and its own)."""
         s = t.sandboxes.c
         members = (
             sa.select(
@@ -278,6 +313,29 @@ class TemplateQueries(Queries):
         )
         if template_id is not None:
             q = q.where(t.templates.c.id == template_id)
+        if tenant_id is not None:
+            q = q.where(visible(tenant_id))
+        async with self.engine.connect() as c:
+            return list((await c.execute(q)).mappings())
+
+    async def snapshots(
+        self, tenant_id: str, limit: int, *, sandbox_id: str | None = None,
+        name: str | None = None, after: tuple[datetime, str] | None = None,
+    ) -> list[Row]:  # fmt: skip
+        """The tenant's snapshots (templates of its sandboxes' state) that sandboxes can be
+        made of, oldest first, after (created_at, id); of one sandbox, or of one name or id."""
+        tp = t.templates.c
+        q = sa.select(t.templates).where(
+            tp.tenant_id == tenant_id, tp.source_sandbox_id.is_not(None),
+            tp.state != "deleting", tp.record.is_not(None),
+        )  # fmt: skip
+        if sandbox_id is not None:
+            q = q.where(tp.source_sandbox_id == sandbox_id)
+        if name is not None:
+            q = q.where(sa.or_(tp.id == name, tp.label == name))
+        if after is not None:
+            q = q.where(sa.tuple_(tp.created_at, tp.id) > sa.tuple_(*after))
+        q = q.order_by(tp.created_at, tp.id).limit(limit)
         async with self.engine.connect() as c:
             return list((await c.execute(q)).mappings())
 
@@ -288,7 +346,8 @@ class TemplateQueries(Queries):
         async with self.engine.begin() as c:
             res = await c.execute(
                 t.templates.update()
-                .where(t.templates.c.id == template_id)
+                # A tenant's own template has no warm pool: a claim looks at no owner.
+                .where(t.templates.c.id == template_id, t.templates.c.tenant_id.is_(None))
                 .values(
                     pool_size=size,
                     pool_vcpus=vcpus,
