@@ -3,11 +3,15 @@ moved to another row does not open), and key ids so keys can be rotated."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from collections.abc import Callable
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 NONCE_BYTES = 12
 
@@ -31,6 +35,20 @@ class Sealer:
     def _load(self, keys: list[tuple[str, bytes]]) -> None:
         self.current = keys[0][0]
         self._keys = {kid: AESGCM(key) for kid, key in keys}
+        # A key of its own for codes anyone may recompute who holds it: never the cipher's.
+        self._mac_keys = {kid: _derive(key, b"space mac") for kid, key in keys}
+
+    def mac(self, data: bytes, context: str, key_id: str | None = None) -> tuple[str, bytes]:
+        """An unforgeable code of `data` for `context` (HMAC-SHA-256), with the current key or
+        `key_id`'s: the same every time, so whoever holds the key can check it by making it
+        again. SealError for a key that is not configured."""
+        kid = key_id or self.current
+        if kid not in self._mac_keys and self._reload is not None:
+            self._load(self._reload())
+        key = self._mac_keys.get(kid)
+        if key is None:
+            raise SealError(f"no key {kid} is configured")
+        return kid, hmac.new(key, context.encode() + b"\0" + data, hashlib.sha256).digest()
 
     def seal(self, plaintext: bytes, context: str) -> tuple[str, bytes]:
         nonce = os.urandom(NONCE_BYTES)
@@ -49,3 +67,7 @@ class Sealer:
             raise SealError(
                 "a sealed value does not open (wrong key, or it was tampered with)"
             ) from None
+
+
+def _derive(key: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(key)

@@ -231,6 +231,20 @@ class TenantQueries(Queries):
         row = await self._active_key(key_id)
         return None if row is None else Tenant(row.id, row.name, bool(row.admin), row.key_id)
 
+    async def active_key_ids(self, tenant_id: str, limit: int = 1000) -> list[str]:
+        """The ids of a tenant's keys that are not revoked (none once it is deleted)."""
+        k = t.api_keys.c
+        q = (
+            sa.select(k.id)
+            .join(t.tenants, t.tenants.c.id == k.tenant_id)
+            .where(k.tenant_id == tenant_id, k.revoked_at.is_(None),
+                   t.tenants.c.deleted_at.is_(None))
+            .order_by(k.id)
+            .limit(limit)
+        )  # fmt: skip
+        async with self.engine.connect() as c:
+            return list((await c.execute(q)).scalars())
+
     async def _active_key(self, key_id: str) -> sa.Row[Any, Any, Any, Any, Any] | None:
         async with self.engine.connect() as c:
             return (

@@ -17,11 +17,12 @@ from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
 
 from space.api.data import relay
+from space.api.data import target as running
 from space.api.deps import Svc
 from space.api.errors import APIError
 from space.db.store import NotFound
 from space.e2b import tokens
-from space.e2b.envd.target import USER, Target, resolve
+from space.e2b.envd.target import USER, Target, errors, resolve
 
 router = APIRouter(prefix="/envd", tags=["e2b"])
 
@@ -31,13 +32,41 @@ Path = Annotated[str | None, Query(max_length=4096, pattern=r"^[^\x00]*$")]
 Username = Annotated[str | None, Query(max_length=32, pattern=USER.pattern)]
 
 
-async def _target(svc: Svc, request: Request, username: str | None) -> Target:
+async def _target(
+    svc: Svc, request: Request, path: str | None, username: str | None, operation: str
+) -> Target:
+    """Opened by the access token, or without it by the URL's signature (`download_url`,
+    `upload_url`: a link for whoever holds it, until its `signature_expiration`)."""
     try:
-        t = await resolve(svc, request.headers)
+        if "signature" in request.query_params and "x-access-token" not in request.headers:
+            t = await _signed(svc, request, path, username, operation)
+        else:
+            t = await resolve(svc, request.headers)
     except ConnectError as e:  # this is plain HTTP: its status, not a Connect code
         status = {"unauthenticated": 401, "unavailable": 502, "not_found": 404}
         raise APIError(status.get(e.code.value, 400), e.message) from None
     return replace(t, user=username or t.user)  # /files names its user in the query
+
+
+async def _signed(
+    svc: Svc, request: Request, path: str | None, username: str | None, operation: str
+) -> Target:
+    sandbox_id = request.headers.get("e2b-sandbox-id", "")
+    if not sandbox_id:
+        # The SDK signs a URL of the daemon's own host name (E2B_DOMAIN); at E2B_SANDBOX_URL
+        # nothing in it says which sandbox.
+        raise APIError(400, "a signed URL names its sandbox by the daemon's host name "
+                            "(49983-{sandbox}.{domain}, E2B_DOMAIN) or E2b-Sandbox-Id")  # fmt: skip
+    raw = request.query_params.get("signature_expiration")
+    if raw is not None and not raw.isdigit():
+        raise APIError(400, "signature_expiration is unix seconds")
+    with errors():
+        tenant = await tokens.signer(
+            svc, sandbox_id, operation, path or "", username or "",
+            request.query_params["signature"], int(raw) if raw is not None else None,
+        )  # fmt: skip
+        worker = await running(svc, tenant.id, sandbox_id)
+    return Target(svc, tenant.id, sandbox_id, worker, username)
 
 
 def written(path: str) -> dict[str, Any]:
@@ -48,7 +77,7 @@ def written(path: str) -> dict[str, Any]:
 async def download(
     request: Request, svc: Svc, path: Path = None, username: Username = None
 ) -> StreamingResponse:
-    t = await _target(svc, request, username)
+    t = await _target(svc, request, path, username, "read")
     full = t.path(path or "")
     return await relay(svc.workers.download(t.worker, t.sandbox_id, full),
                        "application/octet-stream")  # fmt: skip
@@ -58,7 +87,7 @@ async def download(
 async def upload(
     request: Request, svc: Svc, path: Path = None, username: Username = None
 ) -> list[dict[str, Any]]:
-    t = await _target(svc, request, username)
+    t = await _target(svc, request, path, username, "write")
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         return await _parts(t, request, path)
     if not path:

@@ -1,12 +1,15 @@
-"""E2B's fork, network update and metrics through the unmodified `e2b` SDK, in real sandboxes:
-children that start from their parent's state and go their own way, an egress policy changed
-on a running sandbox and tried from inside it, CPU and memory measured on the host. And what
-must not work: another tenant's sandbox, bad input."""
+"""E2B's calls on a sandbox beyond commands and files, through the unmodified `e2b` SDK in real
+sandboxes: forks that start from their parent's state and go their own way, an egress policy
+changed on a running sandbox and tried from inside it, CPU and memory measured on the host,
+snapshots that start sandboxes as they were, file URLs signed by the SDK. And what must not
+work: another tenant's sandbox or snapshot, an altered or expired link, bad input."""
 
 from __future__ import annotations
 
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -207,3 +210,60 @@ def test_snapshot_bad_input_and_another_tenants_sandbox(platform: Platform) -> N
             assert c.get(f"/v1/sandboxes/{sbx.sandbox_id}/checkpoints").json()["items"] == []
     finally:
         sbx.kill()
+
+
+def test_signed_file_urls_open_one_file_one_way_until_they_expire(platform: Platform) -> None:
+    sbx = Sandbox.create(timeout=300, **opts(platform))
+    other = Sandbox.create(timeout=300, **opts(platform))
+    port = urlsplit(platform.api_url).port
+
+    def at_host(url: str, sandbox_id: str, method: str = "GET", **kw: Any) -> httpx.Response:
+        """The URL as a browser would open it at the daemon's own host name (E2B_DOMAIN):
+        no API key, no access token."""
+        query = urlsplit(url).query
+        host = f"49983-{sandbox_id}.localhost:{port}"
+        return httpx.request(method, f"{platform.api_url}/files?{query}", headers={"Host": host},
+                             timeout=60, **kw)  # fmt: skip
+
+    try:
+        sbx.files.write("/root/hello.txt", "hello")
+        url = sbx.download_url("/root/hello.txt", use_signature_expiration=120)
+        assert "signature=" in url and "X-Access-Token" not in url
+        r = at_host(url, sbx.sandbox_id)
+        assert r.status_code == 200 and r.text == "hello", r.text
+        assert at_host(sbx.download_url("/root/hello.txt"), sbx.sandbox_id).text == "hello"
+        # Named by header instead of host name, as a plain client may.
+        query = urlsplit(url).query
+        r = httpx.get(f"{platform.api_url}/e2b/envd/files?{query}",
+                      headers={"E2b-Sandbox-Id": sbx.sandbox_id})  # fmt: skip
+        assert r.status_code == 200 and r.text == "hello", r.text
+        # Refused: another path, another sandbox, an altered signature, the other operation,
+        # an expired link, no sandbox named.
+        assert at_host(url.replace("hello.txt", "other.txt"), sbx.sandbox_id).status_code == 401
+        assert at_host(url, other.sandbox_id).status_code == 401
+        altered = url.replace("signature=v1_", "signature=v1_A")
+        assert at_host(altered, sbx.sandbox_id).status_code == 401
+        assert at_host(url, sbx.sandbox_id, "POST", files={"file": b"x"}).status_code == 401
+        expired = sbx.download_url("/root/hello.txt", use_signature_expiration=-5)
+        r = at_host(expired, sbx.sandbox_id)
+        assert r.status_code == 401 and "expired" in r.text, r.text
+        r = httpx.get(f"{platform.api_url}/e2b/envd/files?{query}")
+        assert r.status_code == 400, r.text
+        # An upload link writes that file.
+        up = sbx.upload_url("/root/uploaded.txt", use_signature_expiration=120)
+        r = at_host(up, sbx.sandbox_id, "POST", files={"file": ("uploaded.txt", b"from a link")})
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("/root/uploaded.txt") == "from a link"
+        assert at_host(up, sbx.sandbox_id).status_code == 401  # not a download link
+        # A link signed with a key's token ends with the key.
+        with platform.client() as a, platform.client(platform.admin_key) as admin:
+            tenant = a.get("/v1/me").json()["tenant_id"]
+            made = admin.post(f"/v1/tenants/{tenant}/keys", json={"name": "links"}).json()
+            second = Sandbox.connect(sbx.sandbox_id, **opts(platform, made["key"]))
+            link = second.download_url("/root/hello.txt")
+            assert at_host(link, sbx.sandbox_id).status_code == 200
+            assert admin.delete(f"/v1/tenants/{tenant}/keys/{made['id']}").status_code == 204
+            assert at_host(link, sbx.sandbox_id).status_code == 401
+    finally:
+        sbx.kill()
+        other.kill()
