@@ -17,7 +17,7 @@ from e2b import CommandExitException, Sandbox
 from e2b.exceptions import SandboxException
 
 from ..stack import Platform
-from .helpers import fetch
+from .helpers import fetch, key_with_quotas
 from .test_e2b import opts
 
 pytestmark = pytest.mark.vm
@@ -164,16 +164,21 @@ def test_snapshots_start_sandboxes_as_they_were_and_are_their_tenants_alone(
             made.append(child)
             assert child.commands.run("cat /root/state").stdout == "kept\n"
             child.commands.run("kill -0 $(cat /root/pid)")
-        # Another tenant sees none of it, by id or by name, and cannot delete it.
-        for template in (snap.snapshot_id, "my-snap", named.snapshot_id):
-            with pytest.raises(SandboxException):
-                Sandbox.create(template=template, timeout=60, **b)
+        # Another tenant sees none of it, by id or by name, through E2B's API or SPACE's, and
+        # cannot delete it.
+        for template in (snap.snapshot_id, named.snapshot_id, "my-snap"):
+            r = e2b_call(platform, "POST", "/v2/sandboxes", platform.key_b,
+                         json={"templateID": template})  # fmt: skip
+            assert r.status_code == 404 and r.json()["code"] == 404, r.text
         assert Sandbox.list_snapshots(**b).next_items() == []
         assert Sandbox.delete_snapshot(snap.snapshot_id, **b) is False
         with platform.client(platform.key_b) as c:
             ids = {t["id"] for t in c.get("/v1/templates").json()["items"]}
             assert snap.snapshot_id not in ids and named.snapshot_id not in ids
-            assert c.get(f"/v1/templates/{snap.snapshot_id}").status_code == 404
+            for template in (snap.snapshot_id, named.snapshot_id):
+                assert c.get(f"/v1/templates/{template}").status_code == 404
+                r = c.post("/v1/sandboxes", json={"template": template})
+                assert r.status_code == 404, r.text
         with platform.client() as c:
             ids = {t["id"] for t in c.get("/v1/templates").json()["items"]}
             assert {snap.snapshot_id, named.snapshot_id} <= ids
@@ -181,8 +186,20 @@ def test_snapshots_start_sandboxes_as_they_were_and_are_their_tenants_alone(
             r = admin.put(f"/v1/templates/{snap.snapshot_id}/pool", json={"size": 1})
             assert r.status_code == 404, r.text
         # Not while a sandbox of it lives; then gone.
-        with pytest.raises(SandboxException):
-            Sandbox.delete_snapshot(snap.snapshot_id, **opts(platform))
+        r = e2b_call(platform, "DELETE", f"/templates/{snap.snapshot_id}", platform.key_a)
+        assert r.status_code == 409 and made[0].sandbox_id in r.json()["message"], r.text
+        # A snapshot of the same name replaces it: the name now starts the new state.
+        first = made[0]
+        first.commands.run("echo newer > /root/state")
+        again = first.create_snapshot(name="my-snap")
+        assert again.snapshot_id == named.snapshot_id and again.names == ["my-snap"]
+        replaced = Sandbox.list_snapshots(name="my-snap", **opts(platform)).next_items()
+        assert [s.snapshot_id for s in replaced] == [named.snapshot_id]
+        of_first = Sandbox.list_snapshots(sandbox_id=first.sandbox_id, **opts(platform))
+        assert [s.snapshot_id for s in of_first.next_items()] == [named.snapshot_id]
+        newer = Sandbox.create(template="my-snap", timeout=300, **opts(platform))
+        made.append(newer)
+        assert newer.commands.run("cat /root/state").stdout == "newer\n"
         for child in made:
             child.kill()
         assert Sandbox.delete_snapshot(snap.snapshot_id, **opts(platform)) is True
@@ -206,8 +223,25 @@ def test_snapshot_bad_input_and_another_tenants_sandbox(platform: Platform) -> N
         assert r.status_code == 400, r.text
         r = e2b_call(platform, "DELETE", "/templates/base", platform.key_a)
         assert r.status_code == 404, r.text  # only snapshots are a tenant's to delete
-        with platform.client() as c:  # no checkpoint was left behind by the refused ones
+    finally:
+        sbx.kill()
+
+
+def test_snapshots_count_against_the_checkpoint_quota(platform: Platform) -> None:
+    """A snapshot is a checkpoint kept: a tenant allowed one has one snapshot, and what it took
+    to make it (a checkpoint) is let go."""
+    key = key_with_quotas(platform.database_url, "snap", {"checkpoints": 1})
+    sbx = Sandbox.create(timeout=300, **opts(platform, key))
+    try:
+        snap = sbx.create_snapshot()
+        with platform.client(key) as c:
             assert c.get(f"/v1/sandboxes/{sbx.sandbox_id}/checkpoints").json()["items"] == []
+            assert c.get("/v1/quotas").json()["used"]["checkpoints"] == 1
+        r = e2b_call(platform, "POST", f"/sandboxes/{sbx.sandbox_id}/snapshots", key, json={})
+        assert r.status_code == 429 and "checkpoints" in r.json()["message"], r.text
+        assert Sandbox.delete_snapshot(snap.snapshot_id, **opts(platform, key)) is True
+        with platform.client(key) as c:
+            assert c.get("/v1/quotas").json()["used"]["checkpoints"] == 0
     finally:
         sbx.kill()
 

@@ -53,6 +53,8 @@ async def metrics(request: Request, svc: Svc) -> Response:
         raise APIError(401, "metrics need 'Authorization: Bearer <metrics token>' (space up "
                        "prints it; SPACE_METRICS_TOKEN sets it)")  # fmt: skip
     for row in await svc.store.templates():
+        if row["tenant_id"] is not None:  # a tenant's own: no pool, and ids without bound
+            continue
         READY.labels(row["id"]).set(row["pool_ready"])
         STARTING.labels(row["id"]).set(row["pool_starting"])
         SIZE.labels(row["id"]).set(row["pool_size"])

@@ -119,14 +119,18 @@ async def create_sandbox(
         await _within_quota(svc, caller, body)
     row = await _claim(svc, caller, values, secret_values) if pooled else None
     created = True
+    label = body.template  # of metrics: a template every tenant has (there are few of them)
     if row is not None:
-        CLAIMS.labels(body.template, "hit").inc()
+        CLAIMS.labels(label, "hit").inc()
     else:
         # Checked before any metric names it: labels only ever hold real template names.
-        if not await svc.store.template_exists(body.template, caller.id):
+        usable = await svc.store.usable_template(body.template, caller.id)
+        if usable is None:
             raise APIError(404, f"no template {body.template!r}")
+        if usable == "own":  # one of a tenant's snapshots, of which there is no bound
+            label = "(a tenant's own)"
         if pooled:
-            CLAIMS.labels(body.template, "miss").inc()
+            CLAIMS.labels(label, "miss").inc()
         await _admit(svc, body, room_wait_s)
         values["id"] = chosen_id(body.id, caller.id) if body.id else f"sb-{secrets.token_hex(8)}"
         row, created = await svc.store.create_sandbox(caller.id, values, svc.settings.quotas)
@@ -141,7 +145,7 @@ async def create_sandbox(
     elif row["state"] != "running" and not wait:
         response.status_code = 202
     if created and row["state"] == "running":
-        CREATE.labels(row["template"], row["boot"] or "").observe(time.perf_counter() - started)
+        CREATE.labels(label, row["boot"] or "").observe(time.perf_counter() - started)
     return Sandbox.from_row(row)
 
 

@@ -58,6 +58,9 @@ templates = sa.Table(
     sa.Column("tenant_id", sa.Text),
     sa.Column("source_sandbox_id", sa.Text),  # the sandbox a snapshot was made of
     sa.Column("label", sa.Text),  # the name its tenant gave it
+    # What a tenant's own template holds on its worker (its checkpoint's size): counted in the
+    # tenant's checkpoint quotas.
+    sa.Column("held_bytes", sa.BigInteger, nullable=False, server_default="0"),
     sa.Index("templates_tenant", "tenant_id", "created_at"),
 )
 

@@ -34,7 +34,6 @@ async def fork(sandbox_id: str, body: Fork, svc: Svc, who: E2BCaller) -> list[di
     )
     children = []
     for child in forked.items:
-        await svc.store.set_timeout(who.id, child.id, body.timeout or DEFAULT_TIMEOUT_S)
-        row = await svc.store.get_sandbox(child.id, who.id)
+        row = await svc.store.set_timeout(who.id, child.id, body.timeout or DEFAULT_TIMEOUT_S)
         children.append({"sandbox": sandbox(row, svc, who)})
     return children

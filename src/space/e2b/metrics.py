@@ -8,6 +8,7 @@ per-minute history is `/v1/usage`), so the answer is one point, now: CPU over th
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -32,14 +33,17 @@ async def metrics(
 ) -> list[dict[str, Any]]:
     """Empty for a paused sandbox (nothing runs), or when [start, end] leaves out now."""
     row = await alive(svc, who, sandbox_id)
-    if row["state"] != "running":
+    asked = time.time()
+    if (
+        row["state"] != "running"
+        or (start is not None and start > asked + CPU_WINDOW_S + 1)
+        or (end is not None and end < int(asked))
+    ):
         return []
     worker = await svc.running_on(row)
     first = await svc.workers.stats(worker, sandbox_id)
     await asyncio.sleep(CPU_WINDOW_S)
     now = await svc.workers.stats(worker, sandbox_id)
-    if (start is not None and start > now.at) or (end is not None and end < int(first.at)):
-        return []
     # The VMM's CPU time, of all its vCPUs' worth (TCG's own work counts, hence the cap); a
     # VMM started again between the readings counts from zero.
     used = now.cpu_seconds - first.cpu_seconds if now.cpu_seconds >= first.cpu_seconds else 0.0

@@ -100,14 +100,15 @@ def e2b_state(row: Row) -> str:
 
 
 def egress(network: NetworkConfig | None, internet: bool | None) -> NetworkPolicy | None:
-    """E2B's egress switches as a SPACE policy. Without one SPACE's default holds (deny), where
-    E2B's is to let everything out: an E2B user who wants the internet says so."""
+    """E2B's egress switches as a SPACE policy. Without one SPACE's default holds (deny, unless
+    the operator chose otherwise), where E2B's is to let everything out: an E2B user who wants
+    the internet says so. One who says no gets no, whatever the default."""
     out = network.allow_out if network else None
     denied = set(network.deny_out or ()) if network else set()
     if denied - EVERYWHERE:
         raise APIError(400, "network.denyOut takes only 0.0.0.0/0 (SPACE denies what "
                             "network.allowOut does not list)")  # fmt: skip
-    if out and EVERYWHERE & set(out):  # E2B's "all traffic"
+    if out and "0.0.0.0/0" in out:  # E2B's "all traffic"
         return NetworkPolicy(default="allow")
     if out:
         hosts: list[str] = []
@@ -119,6 +120,8 @@ def egress(network: NetworkConfig | None, internet: bool | None) -> NetworkPolic
         })  # fmt: skip
     if internet:
         return NetworkPolicy(default="allow")
+    if internet is False or denied:
+        return NetworkPolicy(default="deny")
     return None
 
 
@@ -196,7 +199,7 @@ async def create(
         raise APIError(400, "mcp and volumeMounts are not supported by SPACE's E2B surface")
     template = ALIASES.get(body.template_id, body.template_id)
     # The caller's own snapshot of that name first (see `snapshots`), as E2B's names are a team's.
-    if await svc.store.template_exists(own := space.chosen_id(template, who.id), who.id):
+    if await svc.store.usable_template(own := space.chosen_id(template, who.id), who.id):
         template = own
     shape = {"memory_mib": MEMORY_MIB[template]} if template in MEMORY_MIB else {}
     spec = _valid(SandboxCreate, {
@@ -304,8 +307,8 @@ async def pause(sandbox_id: str, svc: Svc, who: E2BCaller) -> Response:
 async def update_network(
     sandbox_id: str, body: NetworkChange, svc: Svc, who: E2BCaller
 ) -> Response:
-    """The sandbox's egress policy replaced, in force when answered (SPACE's own update):
-    without `allowOut` or `allow_internet_access`, SPACE's default policy."""
+    """The sandbox's egress policy replaced, in force when answered with 204 (SPACE's own
+    update): without `allowOut` or `allow_internet_access`, SPACE's default policy."""
     await alive(svc, who, sandbox_id)
     if body.dns_servers or body.egress_proxy or body.rules:
         raise APIError(400, "dnsServers, egressProxy and rules are not supported by SPACE's E2B "
@@ -314,5 +317,7 @@ async def update_network(
     policy = egress(body, body.allow_internet_access)
     if policy is None:
         policy = NetworkPolicy(default=svc.settings.egress_default)
-    await space.set_network(sandbox_id, NetworkUpdate(network=policy), svc, who, Response())
-    return Response(status_code=204)
+    answer = Response(status_code=204)
+    await space.set_network(sandbox_id, NetworkUpdate(network=policy), svc, who, answer)
+    # 202 when its worker had not put it in force within seconds (it will once it answers).
+    return Response(status_code=answer.status_code)

@@ -9,6 +9,7 @@ tag of the tenant, as client-chosen sandbox ids do, so two tenants' names never 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import secrets
@@ -25,6 +26,7 @@ from space.api.sandboxes import chosen_id, page_cursor, parse_cursor
 from space.db.store import NotFound, Refused, Row, Tenant
 from space.db.store.templates import Snapshot
 from space.e2b.rest import MAX_PAGE, E2BCaller, Lenient, alive
+from space.worker.api.client import WorkerError
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["e2b"])
@@ -46,7 +48,8 @@ def info(row: Row) -> dict[str, Any]:
 async def create_snapshot(
     sandbox_id: str, body: SnapshotRequest, svc: Svc, who: E2BCaller
 ) -> dict[str, Any]:
-    """Answered once sandboxes can be made of it."""
+    """Answered once sandboxes can be made of it. It counts against the tenant's checkpoint
+    quotas as the checkpoint it was made of would."""
     if body.memory is False:
         raise APIError(400, "filesystem-only snapshots are not supported: SPACE's snapshots "
                             "keep the sandbox's memory and running processes")  # fmt: skip
@@ -54,39 +57,48 @@ async def create_snapshot(
         raise APIError(400, f"name {body.name!r} must match {NAME.pattern}")
     row = await alive(svc, who, sandbox_id)
     if row["state"] != "running":
-        raise APIError(409, f"sandbox {sandbox_id} is paused: connect to it first")
+        raise APIError(409, f"sandbox {sandbox_id} is {row['state']}, not running")
+    if row["volumes"]:
+        raise APIError(400, f"sandbox {sandbox_id} has volumes: a snapshot's sandboxes would "
+                            "not have them")  # fmt: skip
     template_id = chosen_id(body.name, who.id) if body.name else f"snap-{secrets.token_hex(8)}"
     taken = await checkpoints.create_checkpoint(
         sandbox_id, svc, who, CheckpointCreate(name=f"snapshot {template_id}")
     )
+    # The checkpoint goes however this ends: the template keeps clones of what it needs, and a
+    # build still queued when it goes fails (nothing is left counting against the quotas).
     try:
         checkpoint, _, _ = await svc.store.checkpoint(who.id, sandbox_id, taken.id)
         await svc.store.request_build(
             template_id, secrets.token_hex(8), "", b"", None, checkpoint, tenant_id=who.id,
-            private=Snapshot(who.id, sandbox_id, body.name),
+            private=Snapshot(who.id, sandbox_id, body.name, taken.size_bytes),
         )  # fmt: skip
         made = await svc.wait_for_template(
             template_id, lambda r: r["state"] in ("ready", "failed"), BUILD_WAIT_S
         )
     except Refused as e:
-        await _let_go(svc, who, sandbox_id, taken.id)
         raise APIError(e.status, str(e)) from None
-    if made["state"] not in ("ready", "failed"):
-        # Still building: its checkpoint stays for the build (a SPACE checkpoint of the sandbox).
-        raise APIError(503, f"snapshot {template_id} is still being made: list it later",
-                       headers={"Retry-After": "30"})  # fmt: skip
-    await _let_go(svc, who, sandbox_id, taken.id)
-    if made["state"] == "failed":
-        raise APIError(500, f"snapshot {template_id} failed: {made['error']}")
-    return info(made)
+    finally:
+        await _let_go(svc, who, sandbox_id, taken.id)
+    if made["state"] == "ready":
+        return info(made)
+    if made["record"] is None:  # never made: nothing of it is kept
+        with contextlib.suppress(Refused):
+            await svc.store.delete_template(template_id)
+    if made["state"] != "failed":
+        raise APIError(503, f"snapshot {template_id} took longer than {BUILD_WAIT_S:.0f} s: "
+                            "take it again", headers={"Retry-After": "30"})  # fmt: skip
+    raise APIError(500, f"snapshot {template_id} failed: {made['error']}")
 
 
 async def _let_go(svc: Svc, who: Tenant, sandbox_id: str, checkpoint_id: str) -> None:
     """The snapshot's checkpoint, once its template holds what it needs (or failed)."""
     try:
         await checkpoints.delete_checkpoint(sandbox_id, checkpoint_id, svc, who)
-    except (APIError, NotFound) as e:  # the sandbox went meanwhile: its checkpoints went with it
-        log.info("checkpoint %s of snapshot not deleted: %s", checkpoint_id, e)
+    except (APIError, NotFound, WorkerError) as e:
+        # The sandbox went meanwhile (its checkpoints with it), or its worker did not answer
+        # (the checkpoint is then the tenant's to see and delete).
+        log.warning("checkpoint %s of a snapshot not deleted: %s", checkpoint_id, e)
 
 
 @router.get("/snapshots")

@@ -80,7 +80,9 @@ class PoolQueries(Queries):
             q = (
                 sa.select(s.id)
                 .join(t.workers, w.id == s.worker_id)
+                .join(t.templates, t.templates.c.id == s.template)
                 .where(
+                    t.templates.c.tenant_id.is_(None),  # a tenant's own has no pool to claim
                     s.pool,
                     s.state == "running",
                     s.desired_state == "running",

@@ -53,7 +53,17 @@ async def checkpoint_usage(c: AsyncConnection, tenant_id: str) -> dict[str, int]
             .where(k.tenant_id == tenant_id, s.state != "deleted")
         )
     ).one()
-    return {"checkpoints": int(row[0]), "checkpoint_mib": -(-int(row[1]) // MIB)}
+    tp = t.templates.c
+    # A snapshot (a template of the tenant's own) is a checkpoint kept: it counts as one.
+    held = (
+        await c.execute(
+            sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(tp.held_bytes), 0)).where(
+                tp.tenant_id == tenant_id, tp.state != "deleting", tp.record.is_not(None)
+            )
+        )
+    ).one()
+    count, total = int(row[0]) + int(held[0]), int(row[1]) + int(held[1])
+    return {"checkpoints": count, "checkpoint_mib": -(-total // MIB)}
 
 
 async def lock_for(

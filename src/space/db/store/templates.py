@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -22,6 +22,10 @@ class Snapshot:
     tenant_id: str
     sandbox_id: str
     label: str | None
+    held_bytes: int  # what it holds: its checkpoint's size
+
+
+Usable = Literal["shared", "own"]
 
 
 def visible(tenant_id: str) -> sa.ColumnElement[bool]:
@@ -52,19 +56,20 @@ class TemplateQueries(Queries):
             record = (await c.execute(q)).scalar()
         return dict(record) if record else None
 
-    async def template_exists(self, template_id: str, tenant_id: str) -> bool:
-        """Whether the tenant can make sandboxes of it: `base`, or a template built at least
-        once (a rebuild under way leaves the last build usable), not being deleted, and every
-        tenant's or this one's."""
+    async def usable_template(self, template_id: str, tenant_id: str) -> Usable | None:
+        """Whether the tenant can make sandboxes of it (None if not): `base`, or a template
+        built at least once (a rebuild under way leaves the last build usable), not being
+        deleted, and every tenant's ("shared") or this one's ("own")."""
         tp = t.templates.c
-        q = sa.select(tp.id).where(
+        q = sa.select(tp.tenant_id).where(
             tp.id == template_id,
             tp.state != "deleting",
             sa.or_(tp.record.is_not(None), sa.and_(tp.worker_id.is_(None), tp.state == "ready")),
             visible(tenant_id),
         )
         async with self.engine.connect() as c:
-            return (await c.execute(q)).first() is not None
+            found = (await c.execute(q)).first()
+        return None if found is None else "shared" if found.tenant_id is None else "own"
 
     async def template_worker(self, template_id: str) -> str | None:
         """The one worker a template's sandboxes can run on: the one it was built on, unless
@@ -91,8 +96,10 @@ class TemplateQueries(Queries):
         tp = t.templates.c
         own = {} if private is None else {
             "tenant_id": private.tenant_id, "source_sandbox_id": private.sandbox_id,
-            "label": private.label,
+            "label": private.label, "held_bytes": private.held_bytes,
         }  # fmt: skip
+        # A snapshot that replaces one of its name is the newest, of its own sandbox.
+        again = {} if private is None else {**own, "created_at": sa.func.now()}
         async with self.engine.begin() as c:
             await c.execute(pg_insert(t.templates).values(id=template_id, state="queued", **own)
                             .on_conflict_do_nothing())  # fmt: skip
@@ -132,7 +139,7 @@ class TemplateQueries(Queries):
             q = (
                 t.templates.update()
                 .where(tp.id == template_id)
-                .values(state="queued", error=None, updated_at=sa.func.now())
+                .values(state="queued", error=None, updated_at=sa.func.now(), **again)
                 .returning(*t.templates.c)
             )
             return (await c.execute(q)).mappings().one()
@@ -255,8 +262,13 @@ class TemplateQueries(Queries):
             )
             if row is None or row["state"] == "deleting":
                 raise Refused(404, f"no template {template_id}")
-            if row["worker_id"] is None:
+            if row["state"] in ("queued", "building"):
+                raise Refused(409, f"template {template_id} is being built: delete it after")
+            if row["worker_id"] is None and row["tenant_id"] is None:
                 raise Refused(409, f"{template_id} is the platform's own template: it stays")
+            if row["worker_id"] is None:  # a snapshot never made anywhere: nothing to remove
+                await c.execute(t.templates.delete().where(tp.id == template_id))
+                return row
             users = await c.execute(
                 sa.select(s.id)
                 .where(s.template == template_id, s.state != "deleted", sa.not_(s.pool))

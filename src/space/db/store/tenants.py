@@ -168,6 +168,7 @@ class TenantQueries(Queries):
                 t.volumes.update().where(v.tenant_id == tenant_id, v.state == "available")
                 .values(state="deleting")
             )  # fmt: skip
+            await _drop_templates(c, tenant_id)
         return held
 
     async def tenant_named(self, name: str) -> Tenant | None:
@@ -264,6 +265,20 @@ class TenantQueries(Queries):
                     )
                 )
             ).first()
+
+
+async def _drop_templates(c: AsyncConnection, tenant_id: str) -> None:
+    """The tenant's own templates (its snapshots, which hold its sandboxes' memory): builds not
+    started are dropped, templates never made forgotten, the rest removed from their workers
+    by the controller once no sandbox has them."""
+    tp, b = t.templates.c, t.template_builds.c
+    own = sa.select(tp.id).where(tp.tenant_id == tenant_id).scalar_subquery()
+    await c.execute(t.template_builds.delete().where(b.template_id.in_(own)))
+    await c.execute(t.templates.delete().where(tp.tenant_id == tenant_id, tp.worker_id.is_(None)))
+    await c.execute(
+        t.templates.update().where(tp.tenant_id == tenant_id, tp.state != "deleting")
+        .values(state="deleting", pool_size=0)
+    )  # fmt: skip
 
 
 async def _holdings(c: AsyncConnection, tenant_id: str) -> TenantDeletion:
