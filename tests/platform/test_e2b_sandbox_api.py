@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import httpx
 import pytest
@@ -262,7 +262,7 @@ def test_signed_file_urls_open_one_file_one_way_until_they_expire(platform: Plat
     try:
         sbx.files.write("/root/hello.txt", "hello")
         url = sbx.download_url("/root/hello.txt", use_signature_expiration=120)
-        assert "signature=" in url and "X-Access-Token" not in url
+        assert "signature=" in url and "signature_expiration=" in url
         r = at_host(url, sbx.sandbox_id)
         assert r.status_code == 200 and r.text == "hello", r.text
         assert at_host(sbx.download_url("/root/hello.txt"), sbx.sandbox_id).text == "hello"
@@ -271,24 +271,39 @@ def test_signed_file_urls_open_one_file_one_way_until_they_expire(platform: Plat
         r = httpx.get(f"{platform.api_url}/e2b/envd/files?{query}",
                       headers={"E2b-Sandbox-Id": sbx.sandbox_id})  # fmt: skip
         assert r.status_code == 200 and r.text == "hello", r.text
-        # Refused: another path, another sandbox, an altered signature, the other operation,
-        # an expired link, no sandbox named.
+        # Refused: another path, another sandbox, an altered signature or expiry, another user,
+        # the other operation, an expired link, no sandbox named.
         assert at_host(url.replace("hello.txt", "other.txt"), sbx.sandbox_id).status_code == 401
         assert at_host(url, other.sandbox_id).status_code == 401
-        altered = url.replace("signature=v1_", "signature=v1_A")
-        assert at_host(altered, sbx.sandbox_id).status_code == 401
+        signature = quote(parse_qs(urlsplit(url).query)["signature"][0], safe="")
+        assert signature in url
+        flipped = signature[:-1] + ("A" if signature[-1] != "A" else "B")
+        assert at_host(url.replace(signature, flipped), sbx.sandbox_id).status_code == 401
+        expires = parse_qs(urlsplit(url).query)["signature_expiration"][0]
+        assert f"signature_expiration={expires}" in url
+        later = url.replace(expires, str(int(expires) + 3600))
+        assert at_host(later, sbx.sandbox_id).status_code == 401
+        assert at_host(url + "&username=nobody", sbx.sandbox_id).status_code == 401
         assert at_host(url, sbx.sandbox_id, "POST", files={"file": b"x"}).status_code == 401
         expired = sbx.download_url("/root/hello.txt", use_signature_expiration=-5)
         r = at_host(expired, sbx.sandbox_id)
         assert r.status_code == 401 and "expired" in r.text, r.text
+        for bad in ("²", "9" * 40):
+            r = at_host(url.replace(expires, bad), sbx.sandbox_id)
+            assert r.status_code == 400, r.text
         r = httpx.get(f"{platform.api_url}/e2b/envd/files?{query}")
         assert r.status_code == 400, r.text
-        # An upload link writes that file.
+        # An upload link writes that file, whatever name its part carries; one without a path
+        # (whose parts would choose) is refused.
         up = sbx.upload_url("/root/uploaded.txt", use_signature_expiration=120)
-        r = at_host(up, sbx.sandbox_id, "POST", files={"file": ("uploaded.txt", b"from a link")})
+        r = at_host(up, sbx.sandbox_id, "POST", files={"file": ("elsewhere.txt", b"from a link")})
         assert r.status_code == 200, r.text
         assert sbx.files.read("/root/uploaded.txt") == "from a link"
+        assert not sbx.files.exists("/root/elsewhere.txt")
         assert at_host(up, sbx.sandbox_id).status_code == 401  # not a download link
+        anywhere = sbx.upload_url("")
+        r = at_host(anywhere, sbx.sandbox_id, "POST", files={"file": ("/etc/x", b"no")})
+        assert r.status_code == 400, r.text
         # A link signed with a key's token ends with the key.
         with platform.client() as a, platform.client(platform.admin_key) as admin:
             tenant = a.get("/v1/me").json()["tenant_id"]
@@ -296,6 +311,16 @@ def test_signed_file_urls_open_one_file_one_way_until_they_expire(platform: Plat
             second = Sandbox.connect(sbx.sandbox_id, **opts(platform, made["key"]))
             link = second.download_url("/root/hello.txt")
             assert at_host(link, sbx.sandbox_id).status_code == 200
+            # A token names its key under the code: naming a sibling key opens nothing.
+            token, other_token = sbx._envd_access_token, second._envd_access_token
+            assert token and other_token and token != other_token
+            swapped = ".".join([*token.split(".")[:-2], other_token.split(".")[-2],
+                                token.split(".")[-1]])  # fmt: skip
+            envd = f"{platform.api_url}/e2b/envd/process.Process/List"
+            for t, status in ((token, 200), (other_token, 200), (swapped, 401)):
+                r = httpx.post(envd, json={}, headers={"E2b-Sandbox-Id": sbx.sandbox_id,
+                                                       "X-Access-Token": t})  # fmt: skip
+                assert r.status_code == status, (t, r.text)
             assert admin.delete(f"/v1/tenants/{tenant}/keys/{made['id']}").status_code == 204
             assert at_host(link, sbx.sandbox_id).status_code == 401
     finally:

@@ -38,6 +38,10 @@ class Sealer:
         # A key of its own for codes anyone may recompute who holds it: never the cipher's.
         self._mac_keys = {kid: _derive(key, b"space mac") for kid, key in keys}
 
+    def key_ids(self) -> list[str]:
+        """The configured keys' ids, the current one first."""
+        return [self.current, *(kid for kid in self._keys if kid != self.current)]
+
     def mac(self, data: bytes, context: str, key_id: str | None = None) -> tuple[str, bytes]:
         """An unforgeable code of `data` for `context` (HMAC-SHA-256), with the current key or
         `key_id`'s: the same every time, so whoever holds the key can check it by making it

@@ -19,7 +19,7 @@ import time
 
 from space.api.deps import Services, admit
 from space.api.errors import APIError
-from space.api.grants import ANY_PORT, Grant
+from space.api.grants import ANY_PORT, MAX_TOKEN, Grant
 from space.db.sealing import Sealer, SealError
 from space.db.store import NotFound, Tenant
 from space.e2b import ENVD_PORT
@@ -30,7 +30,8 @@ TRAFFIC_HEADER = "e2b-traffic-access-token"
 LIFETIME_S = 30 * 24 * 3600  # of a traffic token
 DAEMON = "e2b1"  # what a daemon token starts with
 KEY_ID = re.compile(r"^[A-Za-z0-9-]{1,64}$")
-MAX_SIGNING_KEYS = 1000  # of a tenant, tried for a signed URL
+SIGNATURE = re.compile(r"^v1_[A-Za-z0-9+/]{43}$")  # base64 of a SHA-256, unpadded
+MAX_SIGNING_KEYS = 100  # of a tenant, tried for a signed URL
 
 
 def issue(svc: Services, who: Tenant, sandbox_id: str, context: str = CONTEXT) -> str:
@@ -50,10 +51,13 @@ def daemon_token(sealer: Sealer, key_id: str, sandbox_id: str, kid: str | None =
 
 def _daemon_key(sealer: Sealer, token: str, sandbox_id: str) -> str | None:
     """The API key a daemon token was given to, if it is one for this sandbox."""
-    kid, _, rest = token.removeprefix(f"{DAEMON}.").partition(".")
-    key_id = rest.partition(".")[0]
-    if not kid or not KEY_ID.fullmatch(key_id):
+    if len(token) > MAX_TOKEN:
         return None
+    # The code and the API key's id hold no dot; the deployment key's id may.
+    parts = token.removeprefix(f"{DAEMON}.").rsplit(".", 2)
+    if len(parts) != 3 or not 0 < len(parts[0]) <= 64 or not KEY_ID.fullmatch(parts[1]):
+        return None
+    kid, key_id = parts[0], parts[1]
     try:
         expected = daemon_token(sealer, key_id, sandbox_id, kid)
     except SealError:
@@ -97,7 +101,10 @@ async def signer(
     expiration: int | None,
 ) -> Tenant:  # fmt: skip
     """The tenant whose daemon token signed this file URL (401 if none did, or it expired):
-    the signature is made again with the token of each of the sandbox's tenant's keys."""
+    the signature is made again with the token of each of the sandbox's tenant's keys, under
+    each configured deployment key (a token made before a rotation still signs)."""
+    if not SIGNATURE.fullmatch(signature):
+        raise APIError(401, "a signature is v1_ and the base64 of a SHA-256")
     if expiration is not None and expiration < time.time():
         raise APIError(401, "this signed URL has expired")
     try:
@@ -106,8 +113,9 @@ async def signer(
         owner = None
     keys = await svc.store.active_key_ids(owner, MAX_SIGNING_KEYS) if owner else []
     for key_id in keys:
-        token = daemon_token(svc.sealer, key_id, sandbox_id)
-        made = url_signature(path, operation, user, token, expiration)
-        if hmac.compare_digest(made.encode(), signature.encode()):
-            return await _tenant_of(svc, key_id)
+        for kid in svc.sealer.key_ids():
+            token = daemon_token(svc.sealer, key_id, sandbox_id, kid)
+            made = url_signature(path, operation, user, token, expiration)
+            if hmac.compare_digest(made.encode(), signature.encode()):
+                return await _tenant_of(svc, key_id)
     raise APIError(401, "invalid signature for this sandbox, path, user and operation")

@@ -6,6 +6,7 @@ and `GET /health` (204 while the sandbox runs, 502 when it does not, which the S
 from __future__ import annotations
 
 import posixpath
+import re
 import zlib
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import replace
@@ -30,6 +31,7 @@ CHUNK = 1 << 20
 MAX_PARTS = 16  # each held in memory up to 1 MiB before it spools
 Path = Annotated[str | None, Query(max_length=4096, pattern=r"^[^\x00]*$")]
 Username = Annotated[str | None, Query(max_length=32, pattern=USER.pattern)]
+EXPIRATION = re.compile(r"^[0-9]{1,12}$")
 
 
 async def _target(
@@ -43,7 +45,8 @@ async def _target(
         else:
             t = await resolve(svc, request.headers)
     except ConnectError as e:  # this is plain HTTP: its status, not a Connect code
-        status = {"unauthenticated": 401, "unavailable": 502, "not_found": 404}
+        status = {"unauthenticated": 401, "unavailable": 502, "not_found": 404,
+                  "resource_exhausted": 429, "internal": 500}  # fmt: skip
         raise APIError(status.get(e.code.value, 400), e.message) from None
     return replace(t, user=username or t.user)  # /files names its user in the query
 
@@ -57,8 +60,11 @@ async def _signed(
         # nothing in it says which sandbox.
         raise APIError(400, "a signed URL names its sandbox by the daemon's host name "
                             "(49983-{sandbox}.{domain}, E2B_DOMAIN) or E2b-Sandbox-Id")  # fmt: skip
+    if not path:
+        # Without one, a write's parts would choose their own paths: a link is for one file.
+        raise APIError(400, "a signed URL names its file: ?path=")
     raw = request.query_params.get("signature_expiration")
-    if raw is not None and not raw.isdigit():
+    if raw is not None and not EXPIRATION.fullmatch(raw):
         raise APIError(400, "signature_expiration is unix seconds")
     with errors():
         tenant = await tokens.signer(
