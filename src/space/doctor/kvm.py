@@ -7,7 +7,6 @@ slowly (a warning), unless SPACE_ACCEL=kvm insists on KVM (a failure)."""
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import stat
 from pathlib import Path
@@ -118,10 +117,5 @@ def _cached_kernel(root: Path) -> tuple[Path, Path, str] | None:
 
 def _cached_reason(kernel_key: str) -> str | None:
     """Why the worker's probe came to its answer for this kernel, as it wrote it down."""
-    try:
-        known = json.loads(accel._cache_file().read_text())
-    except (OSError, ValueError):
-        return None
-    if known.get("key") != f"{os.uname().release}/{kernel_key}":
-        return None
-    return str(known.get("why") or "") or None
+    known = accel.cached(kernel_key)
+    return (known[1] or None) if known is not None else None

@@ -3,7 +3,7 @@
 `/dev/kvm` existing proves nothing: under some nested hypervisors a Linux guest crawls for a
 minute and then dies with an emulation failure. The probe boots our own kernel and initramfs
 with no root disk under KVM; a working KVM reaches the init's "no root device" message within
-seconds. The answer is cached per host kernel and guest kernel.
+seconds. The answer is cached per host kernel and guest kernel (see `cached`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 20.0
 PROBE_MARKER = "space-init:"
+NO_DEVICE = "/dev/kvm is missing or not accessible"
 
 
 def _cache_file() -> Path:
@@ -31,7 +32,7 @@ def _cache_file() -> Path:
 def probe_kvm(kernel: Path, initrd: Path, qemu: str = "qemu-system-x86_64") -> tuple[bool, str]:
     """Boot the guest kernel under KVM without a disk; (works, why)."""
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return False, "/dev/kvm is missing or not accessible"
+        return False, NO_DEVICE
     with tempfile.TemporaryDirectory(prefix="space-kvm-probe-") as tmp:
         console = Path(tmp) / "console.log"
         argv = [
@@ -64,21 +65,39 @@ def probe_kvm(kernel: Path, initrd: Path, qemu: str = "qemu-system-x86_64") -> t
             proc.wait()
 
 
+def cached(kernel_key: str) -> tuple[str, str] | None:
+    """The cached (accel, why) that holds for this guest kernel on this host, if any.
+
+    A probe of another guest kernel on the same host kernel that ended in TCG holds too (the
+    release before or after this one, whose worker ran here): KVM that fails a guest fails for
+    the host's reasons, and probing again would hold a restarting worker for the probe's whole
+    timeout, past the time its sandboxes' control plane waits for it. Not when /dev/kvm has
+    appeared since."""
+    host = os.uname().release
+    try:
+        known = json.loads(_cache_file().read_text())
+        key, accel, why = str(known["key"]), str(known["accel"]), str(known.get("why") or "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if key == f"{host}/{kernel_key}":
+        return accel, why
+    appeared = why.startswith(NO_DEVICE) and os.access("/dev/kvm", os.R_OK | os.W_OK)
+    if accel == "tcg" and key.split("/", 1)[0] == host and not appeared:
+        return accel, why
+    return None
+
+
 def choose_accel(kernel: Path, initrd: Path, kernel_key: str, forced: str = "auto") -> str:
     """ "kvm" or "tcg"; `forced` (SPACE_ACCEL) picks one without a probe."""
     if forced in ("kvm", "tcg"):
         return forced
-    key = f"{os.uname().release}/{kernel_key}"
-    cache = _cache_file()
-    try:
-        known = json.loads(cache.read_text())
-        if known.get("key") == key:
-            return str(known["accel"])
-    except (OSError, ValueError, KeyError):
-        pass
+    if (known := cached(kernel_key)) is not None:
+        return known[0]
     works, why = probe_kvm(kernel, initrd)
     accel = "kvm" if works else "tcg"
     log.warning("acceleration: %s (%s)", accel, why)
+    cache = _cache_file()
     cache.parent.mkdir(parents=True, exist_ok=True)
+    key = f"{os.uname().release}/{kernel_key}"
     cache.write_text(json.dumps({"key": key, "accel": accel, "why": why}))
     return accel
