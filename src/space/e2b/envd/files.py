@@ -68,7 +68,7 @@ async def _signed(
         raise APIError(400, "signature_expiration is unix seconds")
     with errors():
         tenant = await tokens.signer(
-            svc, sandbox_id, operation, path or "", username or "",
+            svc, sandbox_id, operation, path, username or "",
             request.query_params["signature"], int(raw) if raw is not None else None,
         )  # fmt: skip
         worker = await running(svc, tenant.id, sandbox_id)
