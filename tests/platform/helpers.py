@@ -83,15 +83,17 @@ def start_counter(c: httpx.Client, sandbox_id: str) -> int:
 
 
 def counter_runs(c: httpx.Client, sandbox_id: str, pid: int) -> bool:
-    """The process is alive and its counter moves."""
+    """The process is alive and its counter moves within 15 s (a TCG guest beside busy ones
+    may be starved for seconds). What the guest shows is printed when it does not."""
     _, _, alive = run(c, sandbox_id, f"kill -0 {pid}")
-    if alive != 0:
-        return False
     first = run(c, sandbox_id, "cat /tmp/counter")[0]
-    for _ in range(30):
+    deadline = time.monotonic() + 15
+    while alive == 0 and time.monotonic() < deadline:
         time.sleep(0.2)
         if run(c, sandbox_id, "cat /tmp/counter")[0] != first:
             return True
+    print(f"{sandbox_id}: counter {pid} alive={alive == 0} stuck at {first!r}:",
+          run(c, sandbox_id, "date; uptime; ps -eo pid,stat,etime,comm | tail -30"))  # fmt: skip
     return False
 
 
