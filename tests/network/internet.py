@@ -1,6 +1,8 @@
 """The test "internet": one process, run inside its own namespace, serving a DNS zone, HTTP and
 HTTPS origins, a TCP echo (port 22) and a UDP echo (port 7). It logs what reaches it as JSON
-lines, so tests can assert what did and did not get out.
+lines, so tests can assert what did and did not get out. Under /git/ every origin is a private
+git host: git's smart HTTP (`git http-backend`) over the bare repositories in the config's
+"git_root", for the user "git" with the secret "git" as password.
 
 On its "lenient_ports" (HTTP and HTTPS) every origin is *lenient*, as careless servers are: a
 bare CR or LF ends a line, a folded line is a header of its own, the first Content-Length wins
@@ -13,8 +15,10 @@ is logged: a head that a gateway and this origin split differently shows up as a
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
+import os
 import re
 import ssl
 import sys
@@ -32,6 +36,7 @@ class World:
     def __init__(self, config: dict[str, Any]) -> None:
         self.zone: dict[str, str] = config["zone"]  # name → IPv4
         self.secrets: dict[str, str] = config["secrets"]  # expected credential values
+        self.git_root: str = config["git_root"]
         self.log = Path(config["log"]).open("a", buffering=1)  # noqa: SIM115 (lives as long as the process)
 
     def record(self, **event: Any) -> None:
@@ -81,6 +86,9 @@ async def http(
     local = writer.get_extra_info("sockname")[0]
     world.record(kind=scheme, served_by=local, method=method, path=path, headers=headers,
                  body=body.decode("latin-1"))  # fmt: skip
+    if path.startswith("/git/"):
+        await git(world, writer, method, path.removeprefix("/git"), headers, body)
+        return
     if path.startswith("/bytes/"):
         size = int(path.split("/")[2])
         writer.write(
@@ -120,6 +128,43 @@ async def http(
         await writer.wait_closed()
     except (ConnectionError, ssl.SSLError):
         pass
+
+
+async def git(
+    world: World, writer: asyncio.StreamWriter, method: str, path: str,
+    headers: dict[str, str], body: bytes,
+) -> None:  # fmt: skip
+    """One request of git's smart HTTP, answered by `git http-backend` (a CGI program)."""
+    expected = base64.b64encode(f"git:{world.secrets['git']}".encode()).decode()
+    if headers.get("authorization") != f"Basic {expected}":
+        writer.write(b'HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Basic realm="git"\r\n'
+                     b"Content-Length: 0\r\nConnection: close\r\n\r\n")  # fmt: skip
+        await writer.drain()
+        writer.close()
+        return
+    path_info, _, query = path.partition("?")
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_PROJECT_ROOT": world.git_root,
+        "GIT_HTTP_EXPORT_ALL": "1", "REMOTE_USER": "git", "REMOTE_ADDR": "198.51.100.1",
+        "REQUEST_METHOD": method, "PATH_INFO": path_info, "QUERY_STRING": query,
+        "CONTENT_TYPE": headers.get("content-type", ""), "CONTENT_LENGTH": str(len(body)),
+        "HTTP_CONTENT_ENCODING": headers.get("content-encoding", ""),
+        "GIT_PROTOCOL": headers.get("git-protocol", ""),
+    }  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        "git", "http-backend", env=env, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await proc.communicate(body)
+    head, _, content = out.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = next((ln.split(":", 1)[1].strip() for ln in lines if ln.lower().startswith("status:")),
+                  "200 OK")  # fmt: skip
+    rest = "".join(f"{ln}\r\n" for ln in lines if not ln.lower().startswith("status:"))
+    writer.write(f"HTTP/1.1 {status}\r\n{rest}Content-Length: {len(content)}\r\n"
+                 "Connection: close\r\n\r\n".encode() + content)  # fmt: skip
+    await writer.drain()
+    writer.close()
 
 
 async def hostile_echo(

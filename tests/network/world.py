@@ -83,6 +83,7 @@ TEST_LIMITS: dict[str, Any] = {
 }  # fmt: skip
 BEARER = "real-bearer-" + secrets.token_hex(8)
 HEADER_SECRET = "real-header-" + secrets.token_hex(8)
+GIT_PASSWORD = "git-" + secrets.token_hex(8)  # the user "git"'s at the origins' /git/
 
 
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -152,6 +153,11 @@ class World:
         return self.directory / "internet.jsonl"
 
     @property
+    def git_root(self) -> Path:
+        """The origins' git repositories (bare), served under https://ORIGIN/git/."""
+        return self.directory / "git"
+
+    @property
     def gateway_ca(self) -> Path:
         return self.directory / "gateway" / "ca" / "ca.pem"
 
@@ -210,7 +216,9 @@ class World:
         sh(*n, "route", "add", "default", "via", HOST_IP)
         self.origin_ca, cert, key = _origin_cert(self.directory)
         ready = self.directory / "internet.ready"
-        config = {"zone": ZONE, "secrets": {"bearer": BEARER, "header": HEADER_SECRET},
+        self.git_root.mkdir(exist_ok=True)
+        config = {"zone": ZONE, "git_root": str(self.git_root),
+                  "secrets": {"bearer": BEARER, "header": HEADER_SECRET, "git": GIT_PASSWORD},
                   "log": str(self.internet_log), "cert": str(cert), "key": str(key),
                   "dns_ip": DNS_IP, "ready": str(ready),
                   "lenient_ports": LENIENT_PORTS}  # fmt: skip

@@ -28,7 +28,9 @@ from space.worker.images.debs import CacheSlot, ImageBuildError, Log, log_to_log
 
 SUITE = "bookworm"
 VARIANT = "minbase"
-INCLUDE: tuple[str, ...] = ("python3", "ca-certificates", "iproute2", "procps", "util-linux")
+# git: agents clone, commit and push in their sandboxes (E2B's SDK drives it from outside).
+INCLUDE: tuple[str, ...] = ("python3", "ca-certificates", "iproute2", "procps", "util-linux",
+                            "git")  # fmt: skip
 # Documentation, manuals and translations are dead weight in a sandbox (a third of the size);
 # dpkg keeps honouring these inside the sandbox too, for packages installed later.
 DPKG_OPTIONS: tuple[str, ...] = (

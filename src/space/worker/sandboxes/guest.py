@@ -32,6 +32,7 @@ CA_ENV = {
     "SSL_CERT_FILE": CA_BUNDLE,
     "REQUESTS_CA_BUNDLE": CA_BUNDLE,
     "CURL_CA_BUNDLE": CA_BUNDLE,
+    "GIT_SSL_CAINFO": CA_BUNDLE,  # git's libcurl reads none of the above
     "NODE_EXTRA_CA_CERTS": CA_FILE,
 }
 READY_TIMEOUT_S = 300.0
