@@ -1,8 +1,9 @@
 """E2B's code interpreter SDK, unmodified (the pinned `e2b-code-interpreter`), against SPACE's
 `code-interpreter` template: the template built from the spec SPACE ships (as `space up` does),
 then `run_code` with its documented uses in a real sandbox: a matplotlib plot comes back as a
-PNG, state persists between cells, output streams, errors and env vars, contexts. And what
-must not work: another tenant's token, none, and our tokens reaching the sandbox."""
+PNG and as chart data, a DataFrame as its columns, state persists between cells, output
+streams, errors and env vars, contexts. And what must not work: another tenant's token, none,
+and our tokens reaching the sandbox."""
 
 from __future__ import annotations
 
@@ -10,11 +11,20 @@ import base64
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 from e2b import Sandbox as PlainSandbox
 from e2b_code_interpreter import AsyncSandbox, Sandbox
+from e2b_code_interpreter.charts import (
+    BarChart,
+    LineChart,
+    PieChart,
+    ScaleType,
+    ScatterChart,
+    SuperChart,
+)
 
 from ..stack import Platform
 from .test_e2b import opts
@@ -64,6 +74,52 @@ def test_run_code_returns_a_plot_and_keeps_state(sbx: Sandbox) -> None:
     # The kernel is in the sandbox: what it writes, the sandbox's files show.
     sbx.run_code("open('/tmp/from-kernel', 'w').write('k')")
     assert sbx.files.read("/tmp/from-kernel") == "k"
+
+
+def test_charts_and_dataframes_come_back_as_data(sbx: Sandbox) -> None:
+    def chart(code: str) -> Any:
+        done = sbx.run_code(f"import matplotlib.pyplot as plt\n{code}\nplt.show()")
+        assert done.error is None, done.error
+        (result,) = done.results
+        assert result.png, result.formats()  # the picture too
+        return result.chart
+
+    line = chart("plt.plot([1, 2, 3], [4, 5, 6.5], label='up'); plt.title('T'); plt.xlabel('x')")
+    assert isinstance(line, LineChart), line
+    assert (line.title, line.x_label, line.x_scale) == ("T", "x", ScaleType.LINEAR)
+    assert [(e.label, e.points) for e in line.elements] == [("up", [(1, 4), (2, 5), (3, 6.5)])]
+    assert line.x_ticks and len(line.x_ticks) == len(line.x_tick_labels)
+
+    bars = chart("plt.bar(['a', 'b'], [3, 5])")
+    assert isinstance(bars, BarChart), bars
+    assert [(e.label, e.value) for e in bars.elements] == [("a", 3), ("b", 5)]
+
+    pie = chart("plt.pie([1, 3], labels=['x', 'y'])")
+    assert isinstance(pie, PieChart), pie
+    assert [(e.label, round(e.angle)) for e in pie.elements] == [("x", 90), ("y", 270)]
+
+    dots = chart("plt.scatter([1, 2], [3, 4])")
+    assert isinstance(dots, ScatterChart) and dots.elements[0].points == [(1, 3), (2, 4)]
+
+    both = chart("_, (a, b) = plt.subplots(1, 2); a.plot([1, 2]); b.bar(['c'], [1])")
+    assert isinstance(both, SuperChart), both
+    assert [type(c) for c in both.elements] == [LineChart, BarChart]
+
+    assert chart("plt.imshow([[0, 1], [1, 0]])") is None  # an image: only the picture
+
+    frame = sbx.run_code(
+        "import pandas as pd\npd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', None]})"
+    )
+    (result,) = frame.results
+    assert result.data == {"a": [1, 2, 3], "b": ["x", "y", None]}, result.data
+    assert result.html and result.is_main_result
+    big = sbx.run_code("import numpy as np\npd.DataFrame(np.zeros((1000, 200)))").results[0]
+    assert big.data is None and big.text  # past 100,000 values: its usual displays only
+
+    # Every context's kernel makes them, not only the default one.
+    ctx = sbx.create_code_context()
+    other = sbx.run_code("import pandas as pd\npd.DataFrame({'n': [1.5]})", context=ctx)
+    assert other.results[0].data == {"n": [1.5]}
 
 
 def test_contexts_hold_state_of_their_own(sbx: Sandbox) -> None:

@@ -2,7 +2,8 @@
 
 A cell's output comes as the JSON objects E2B's SDK reads, in the order the kernel sent them:
 `number_of_executions`, `stdout`/`stderr` text, `result` (a display or the cell's value, by
-MIME type: text, html, png, …), `error` (name, value, traceback), then `end_of_execution`.
+MIME type: text, html, png, …, and `data` and `chart` made by `formats`), `error` (name, value,
+traceback), then `end_of_execution`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 from jupyter_client.manager import AsyncKernelManager
 from tornado.web import HTTPError
 
+from space.interpreter import formats
+
 LANGUAGES = {"python": "python3"}  # what a context may speak -> its kernel's name
 START_TIMEOUT_S = 120.0  # a kernel's start, under emulation too
 DIED = "the kernel stopped (out of memory?); restart the context"
@@ -25,7 +28,10 @@ DIED = "the kernel stopped (out of memory?); restart the context"
 MIME = {"text/plain": "text", "text/html": "html", "text/markdown": "markdown",
         "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
         "application/pdf": "pdf", "text/latex": "latex", "application/json": "json",
-        "application/javascript": "javascript"}  # fmt: skip
+        "application/javascript": "javascript", formats.DATA_MIME: "data",
+        formats.CHART_MIME: "chart"}  # fmt: skip
+# Run in every kernel as it starts: the displays E2B's SDK reads as `data` and `chart`.
+DISPLAYS = "import space.interpreter.formats as __f\n__f.register()\ndel __f"
 
 
 class ContextError(HTTPError):
@@ -62,6 +68,7 @@ class Context:
     async def _connect(self, preload: str) -> None:
         self.client.start_channels()
         await self.client.wait_for_ready(timeout=START_TIMEOUT_S)
+        await self._quietly(DISPLAYS)
         if preload:
             await self._quietly(preload)
 

@@ -1,5 +1,5 @@
-"""The `code-interpreter` image: `base` with Jupyter's kernel, numpy and matplotlib from Debian,
-and SPACE's code interpreter service (`space.interpreter`) under /opt/space, which the
+"""The `code-interpreter` image: `base` with Jupyter's kernel, numpy, pandas and matplotlib from
+Debian, and SPACE's code interpreter service (`space.interpreter`) under /opt/space, which the
 template's spec (`space.interpreter` package data, `space.toml`) starts in every sandbox."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from space.worker.images.base import INCLUDE, Flavor
 
 NAME = "code-interpreter"
 PACKAGES = ("python3-ipykernel", "python3-jupyter-client", "python3-tornado",
-            "python3-matplotlib", "python3-numpy")  # fmt: skip
+            "python3-matplotlib", "python3-numpy", "python3-pandas")  # fmt: skip
 HOME = "/opt/space"  # on the image's python path through the spec's PYTHONPATH
 
 
