@@ -51,7 +51,7 @@ lint: venv
 
 # The test command: lint, then the whole suite (real VMs under QEMU; needs root).
 test: setup test-deps lint
-	$(BIN)/pytest -ra
+	$(BIN)/pytest -ra --durations=25
 
 # The web console's bundle (src/space/console/static/, committed) from console/: the pinned
 # packages of its lock file, then esbuild. Only for changing the console; `up` never needs it.
