@@ -4,7 +4,7 @@ uvicorn stops by closing its listeners and, at once, every connection with no re
 way. Two kinds of connection are then reset with their request unanswered:
 - those the kernel had completed but the server not accepted yet: closing a listener resets
   its queue, though each client's connect succeeded (so it cannot tell whether its request
-  was read). They are accepted before the listeners close;
+  was read). They are accepted before the listeners close (at most a backlog's worth each);
 - those accepted whose request has not arrived yet. The server waits DRAIN_S before it
   closes idle connections, so such a request is read and answered (the stop then waits for
   it, as for any request under way)."""
@@ -12,6 +12,7 @@ way. Two kinds of connection are then reset with their request unanswered:
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 
 import uvicorn
@@ -25,12 +26,14 @@ KEEP_ALIVE_S = 10
 
 class Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        queued = [conn for server in self.servers for conn in _accept_queued(server)]
+        queued = [c for server in self.servers for c in _accept_queued(server, self.config.backlog)]
         for server in self.servers:
             server.close()  # no new connections; the base class closes them again, harmlessly
         if queued:
-            await asyncio.wait([asyncio.ensure_future(self._take(c)) for c in queued],
-                               timeout=DRAIN_S)  # fmt: skip
+            taking = [asyncio.ensure_future(self._take(c)) for c in queued]
+            _, late = await asyncio.wait(taking, timeout=DRAIN_S)
+            for task in late:
+                task.cancel()  # a TLS handshake not done by now: uvicorn would not see it
         await asyncio.sleep(DRAIN_S)
         await super().shutdown(sockets)
 
@@ -44,23 +47,34 @@ class Server(uvicorn.Server):
                 ),
                 conn,
                 ssl=config.ssl,
+                ssl_handshake_timeout=DRAIN_S if config.ssl else None,
             )
-        except OSError:
-            conn.close()  # its client went away, or its TLS handshake failed or timed out
+        except asyncio.CancelledError:
+            conn.close()
+            raise
+        except Exception:
+            conn.close()  # its client went away, or its TLS handshake failed
 
 
-def _accept_queued(server: asyncio.base_events.Server) -> list[socket.socket]:
-    """The connections waiting in the listeners' queues, accepted without waiting."""
+def _accept_queued(server: asyncio.base_events.Server, most: int) -> list[socket.socket]:
+    """Up to `most` connections waiting in each of the listeners' queues, accepted without
+    waiting. Nothing when a descriptor cannot be had: the stop goes on as uvicorn's would."""
     queued = []
     for listener in server.sockets:
-        # A duplicate of the listener: the same queue, without the event loop's wrapper.
-        with socket.socket(fileno=socket.dup(listener.fileno())) as sock:
+        try:
+            # A duplicate of the listener: the same queue, without the event loop's wrapper.
+            sock = socket.socket(fileno=socket.dup(listener.fileno()))
+        except OSError:
+            continue
+        with sock:
             sock.setblocking(False)
-            while True:
+            for _ in range(most):
                 try:
                     conn, _ = sock.accept()
-                except OSError:  # the queue is empty (or out of descriptors: close as before)
-                    break
+                except OSError as e:
+                    if e.errno == errno.ECONNABORTED:
+                        continue  # that client gave up; the ones behind it are still there
+                    break  # the queue is empty (or no descriptor is left)
                 conn.setblocking(False)
                 queued.append(conn)
     return queued

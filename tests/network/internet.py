@@ -83,6 +83,8 @@ async def http(
     body = b""
     if "content-length" in headers:
         body = await reader.readexactly(int(headers["content-length"]))
+    elif "chunked" in headers.get("transfer-encoding", "").lower():
+        body = await _chunked(reader)
     local = writer.get_extra_info("sockname")[0]
     world.record(kind=scheme, served_by=local, method=method, path=path, headers=headers,
                  body=body.decode("latin-1"))  # fmt: skip
@@ -130,6 +132,17 @@ async def http(
         pass
 
 
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    """A chunked body, whole (git sends one past its 1 MiB post buffer)."""
+    body = b""
+    while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+        body += await reader.readexactly(size)
+        await reader.readexactly(2)
+    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+        pass
+    return body
+
+
 async def git(
     world: World, writer: asyncio.StreamWriter, method: str, path: str,
     headers: dict[str, str], body: bytes,
@@ -157,10 +170,13 @@ async def git(
     )  # fmt: skip
     out, _ = await proc.communicate(body)
     head, _, content = out.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = next((ln.split(":", 1)[1].strip() for ln in lines if ln.lower().startswith("status:")),
-                  "200 OK")  # fmt: skip
-    rest = "".join(f"{ln}\r\n" for ln in lines if not ln.lower().startswith("status:"))
+    lines = head.decode("latin-1").split("\r\n") if head else []
+    fields = {ln.split(":", 1)[0].strip().lower(): ln for ln in lines if ":" in ln}
+    status = fields.pop("status", "Status: 200 OK").split(":", 1)[1].strip()
+    fields.pop("content-length", None)  # ours below counts what is sent
+    if proc.returncode != 0 and not fields:  # it failed before it answered
+        status, content = "500 Internal Server Error", b""
+    rest = "".join(f"{ln}\r\n" for ln in fields.values())
     writer.write(f"HTTP/1.1 {status}\r\n{rest}Content-Length: {len(content)}\r\n"
                  "Connection: close\r\n\r\n".encode() + content)  # fmt: skip
     await writer.drain()

@@ -7,8 +7,10 @@ import time
 import pytest
 
 import space.interpreter
+from space.e2b.rest import MEMORY_MIB
 
 from ..stack import Platform
+from .helpers import create, wait_state
 
 
 @pytest.fixture(scope="session")
@@ -27,4 +29,11 @@ def code_interpreter(platform: Platform) -> str:
             assert time.monotonic() < deadline, tpl
             time.sleep(0.2)
         assert tpl["state"] == "ready", (tpl, text)
+    # Its first sandbox boots it cold and starts the kernel (about two minutes under TCG here)
+    # to make the snapshot the next ones restore: made once, with time for it, so that each
+    # test's SDK call (whose own timeout is shorter) is a restore.
+    with platform.client() as c:
+        first = create(c, template=name, memory_mib=MEMORY_MIB[name])["id"]  # as E2B's SDK gets
+        wait_state(c, first, "running", timeout=300)
+        c.delete(f"/v1/sandboxes/{first}")
     return name

@@ -92,8 +92,11 @@ def counter_runs(c: httpx.Client, sandbox_id: str, pid: int) -> bool:
         time.sleep(0.2)
         if run(c, sandbox_id, "cat /tmp/counter")[0] != first:
             return True
-    print(f"{sandbox_id}: counter {pid} alive={alive == 0} stuck at {first!r}:",
-          run(c, sandbox_id, "date; uptime; ps -eo pid,stat,etime,comm | tail -30"))  # fmt: skip
+    try:
+        shown: object = run(c, sandbox_id, "date; uptime; ps -eo pid,stat,etime,comm | tail -30")
+    except (httpx.HTTPError, AssertionError) as e:
+        shown = e
+    print(f"{sandbox_id}: counter {pid} alive={alive == 0} stuck at {first!r}: {shown}")
     return False
 
 

@@ -79,7 +79,7 @@ def test_run_code_returns_a_plot_and_keeps_state(sbx: Sandbox) -> None:
 def test_charts_and_dataframes_come_back_as_data(sbx: Sandbox) -> None:
     def chart(code: str) -> Any:
         done = sbx.run_code(f"import matplotlib.pyplot as plt\n{code}\nplt.show()")
-        assert done.error is None, done.error
+        assert done.error is None and not done.logs.stderr, (done.error, done.logs.stderr)
         (result,) = done.results
         assert result.png, result.formats()  # the picture too
         return result.chart
@@ -94,12 +94,18 @@ def test_charts_and_dataframes_come_back_as_data(sbx: Sandbox) -> None:
     assert isinstance(bars, BarChart), bars
     assert [(e.label, e.value) for e in bars.elements] == [("a", 3), ("b", 5)]
 
+    sideways = chart("plt.barh(['p', 'q'], [2, 7])")
+    assert [(e.label, e.value) for e in sideways.elements] == [("p", 2), ("q", 7)]
+
     pie = chart("plt.pie([1, 3], labels=['x', 'y'])")
     assert isinstance(pie, PieChart), pie
     assert [(e.label, round(e.angle)) for e in pie.elements] == [("x", 90), ("y", 270)]
 
     dots = chart("plt.scatter([1, 2], [3, 4])")
     assert isinstance(dots, ScatterChart) and dots.elements[0].points == [(1, 3), (2, 4)]
+    gap = chart("plt.scatter([1, 2, 3], [1, float('nan'), 3])")  # no warning in the output
+    first, missing, last = gap.elements[0].points
+    assert (first, missing[1], last) == ((1, 1), None, (3, 3)), gap.elements[0].points
 
     both = chart("_, (a, b) = plt.subplots(1, 2); a.plot([1, 2]); b.bar(['c'], [1])")
     assert isinstance(both, SuperChart), both
@@ -113,6 +119,13 @@ def test_charts_and_dataframes_come_back_as_data(sbx: Sandbox) -> None:
     (result,) = frame.results
     assert result.data == {"a": [1, 2, 3], "b": ["x", "y", None]}, result.data
     assert result.html and result.is_main_result
+    exact = sbx.run_code(
+        "pd.DataFrame({'f': [0.1 + 0.2], 't': [pd.Timestamp('2026-01-02 03:04:05.123456')]})"
+    )
+    assert exact.results[0].data == {
+        "f": [0.30000000000000004],
+        "t": ["2026-01-02T03:04:05.123456"],
+    }
     big = sbx.run_code("import numpy as np\npd.DataFrame(np.zeros((1000, 200)))").results[0]
     assert big.data is None and big.text  # past 100,000 values: its usual displays only
 

@@ -10,6 +10,7 @@ never holds it."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import subprocess
 from collections.abc import Iterator
@@ -106,10 +107,15 @@ def test_a_push_over_https_with_a_credential_the_guest_never_holds(
         try:
             url = "https://allowed.test/git/project.git"
             out(c, sid, f"git clone -q {url} /root/project")  # TLS the gateway's, trusted
-            out(c, sid, "cd /root/project && echo pushed > pushed.txt && git add pushed.txt && "
+            # 2 MiB that do not compress: past git's post buffer, the push is sent chunked.
+            sent = out(c, sid, "cd /root/project && echo pushed > pushed.txt && "
+                        "head -c 2097152 /dev/urandom > blob && git add pushed.txt blob && "
                         "git -c user.name=Agent -c user.email=a@example.test commit -qm agent && "
-                        "git push -q origin main")  # fmt: skip
+                        "git push -q origin main && sha256sum blob")  # fmt: skip
             assert git("--git-dir", str(origin), "show", "main:pushed.txt") == "pushed\n"
+            blob = subprocess.run(["git", "--git-dir", str(origin), "show", "main:blob"],
+                                  capture_output=True, timeout=60, check=True).stdout  # fmt: skip
+            assert len(blob) == 2 << 20 and sent.split()[0] == hashlib.sha256(blob).hexdigest()
             _, _, found = run(c, sid, f"grep -rqs -e {GIT_PASSWORD} -e {basic} /root /etc /tmp")
             assert found == 1  # not in the guest's files
             # To another host, allowed but not bound, the credential is not added: the git host

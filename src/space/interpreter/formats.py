@@ -3,21 +3,24 @@ columns as lists (`data`) and what a matplotlib figure draws (`chart`: its type,
 and elements, in E2B's shape). `register()` adds both to IPython's display formatter; neither
 pandas nor matplotlib is imported for them until a cell has.
 
-Both are bounded: a frame of more than MAX_CELLS values, or a figure of more than MAX_POINTS
-points, has its usual displays only. A figure whose axes draw something else (an image, a
-histogram of patches that are not bars, a box plot) has no chart."""
+Both are bounded: a frame of more than MAX_CELLS values (or MAX_DATA_BYTES of JSON), or a
+figure of more than MAX_POINTS points, has its usual displays only. A figure whose axes draw
+something else (an image, a box plot, lines and bars together) has no chart; a histogram's
+bars are a bar chart."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 DATA_MIME = "application/vnd.space.data+json"
 CHART_MIME = "application/vnd.space.chart+json"
 MAX_CELLS = 100_000
+MAX_DATA_BYTES = 8 << 20
 MAX_POINTS = 100_000
 
 
@@ -38,10 +41,14 @@ def register() -> None:
             cls = getattr(sys.modules.get(self.kind[0]), self.kind[1], None)
             if not self.enabled or cls is None or not isinstance(obj, cls):
                 return None
-            try:
-                return self.make(obj)
-            except Exception:  # left out: IPython would print it into the user's output
-                return None
+            # What goes wrong is left out, warnings too: IPython would print it into the
+            # user's output.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    return self.make(obj)
+                except Exception:
+                    return None
 
     class Data(Display):
         format_type = Unicode(DATA_MIME)
@@ -59,21 +66,36 @@ def register() -> None:
 
 
 def frame_data(frame: Any) -> dict[str, list[Any]] | None:
-    """Each column's values, JSON's own (dates in ISO 8601, NaN as null)."""
-    if frame.size > MAX_CELLS:
+    """Each column's values as JSON has them (dates in ISO 8601, NaN and NaT as null)."""
+    if frame.size > MAX_CELLS or not frame.columns.is_unique:
         return None
-    return {
-        str(column): json.loads(frame[column].to_json(orient="values", date_format="iso"))
-        for column in frame.columns
-    }
+    data = {str(k): [_cell(v) for v in values] for k, values in frame.to_dict("list").items()}
+    return data if len(json.dumps(data)) <= MAX_DATA_BYTES else None
+
+
+def _cell(v: Any) -> Any:
+    import pandas
+
+    if v is None or isinstance(v, bool | int | str):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if pandas.api.types.is_scalar(v) and pandas.isna(v):
+        return None
+    if hasattr(v, "isoformat"):
+        return v.isoformat()
+    if hasattr(v, "item"):  # a numpy scalar
+        return _cell(v.item())
+    return str(v)
 
 
 def figure_chart(figure: Any) -> dict[str, Any] | None:
-    made = [axes_chart(ax) for ax in figure.get_axes()]
-    charts = [c for c in made if c is not None]
-    if not charts or len(charts) < len(made):
+    axes = figure.get_axes()
+    if not axes or sum(_count(ax) for ax in axes) > MAX_POINTS:
         return None
-    if sum(_size(c) for c in charts) > MAX_POINTS:
+    made = [axes_chart(ax) for ax in axes]
+    charts = [c for c in made if c is not None]
+    if len(charts) < len(made):
         return None
     if len(charts) == 1:
         return charts[0]
@@ -83,8 +105,10 @@ def figure_chart(figure: Any) -> dict[str, Any] | None:
     return {"type": "superchart", "title": title, "elements": charts}
 
 
-def _size(chart: dict[str, Any]) -> int:
-    return sum(len(e.get("points", ())) or 1 for e in chart["elements"])
+def _count(ax: Any) -> int:
+    """The points an axes' chart would hold, known before any is read."""
+    return (sum(len(line.get_xydata()) for line in ax.get_lines()) + len(ax.patches)
+            + sum(len(c.get_offsets()) for c in ax.collections))  # fmt: skip
 
 
 def axes_chart(ax: Any) -> dict[str, Any] | None:
@@ -97,15 +121,15 @@ def axes_chart(ax: Any) -> dict[str, Any] | None:
     bars = [c for c in ax.containers if isinstance(c, BarContainer)]
     wedges = [p for p in ax.patches if isinstance(p, Wedge)]
     scatters = [c for c in ax.collections if isinstance(c, PathCollection)]
+    x, y = _Axis(ax.xaxis), _Axis(ax.yaxis)
     if wedges and len(wedges) == len(ax.patches) and not (lines or scatters):
         return {"type": "pie", "title": title, "elements": [
-            {"label": w.get_label(), "angle": abs(w.theta2 - w.theta1), "radius": w.r}
+            {"label": w.get_label(), "angle": abs(w.theta2 - w.theta1), "radius": float(w.r)}
             for w in wedges
         ]}  # fmt: skip
     if bars and not (lines or scatters or wedges or ax.images):
         return {"type": "bar", "title": title, **_labels(ax), "elements": [
-            {"label": _category(ax, r.get_x() + r.get_width() / 2), "group": _name(c, i),
-             "value": _plain(r.get_height())}
+            _bar(r, x, y, c.orientation == "horizontal", _name(c, i))
             for i, c in enumerate(bars) for r in c
         ]}  # fmt: skip
     if (lines or scatters) and not (ax.patches or ax.images):
@@ -113,14 +137,22 @@ def axes_chart(ax: Any) -> dict[str, Any] | None:
         if kind is None:
             return None
         series = lines if kind == "line" else scatters
-        points = [_points(ax, s.get_xydata() if kind == "line" else s.get_offsets())
-                  for s in series]  # fmt: skip
-        return {"type": kind, "title": title, **_labels(ax), **_ticks(ax), "elements": [
+        return {"type": kind, "title": title, **_labels(ax), **x.ticks("x"), **y.ticks("y"),
+                "elements": [
             {"label": s.get_label() if not s.get_label().startswith("_") else "",
-             "points": p}
-            for s, p in zip(series, points, strict=True)
+             "points": [[x.value(a), y.value(b)] for a, b in
+                        (s.get_xydata() if kind == "line" else s.get_offsets())]}
+            for s in series
         ]}  # fmt: skip
     return None
+
+
+def _bar(r: Any, x: _Axis, y: _Axis, horizontal: bool, group: str) -> dict[str, Any]:
+    if horizontal:
+        label, value = y.label(r.get_y() + r.get_height() / 2), r.get_width()
+    else:
+        label, value = x.label(r.get_x() + r.get_width() / 2), r.get_height()
+    return {"label": label, "group": group, "value": _plain(value)}
 
 
 def _labels(ax: Any) -> dict[str, Any]:
@@ -128,51 +160,41 @@ def _labels(ax: Any) -> dict[str, Any]:
             "x_unit": None, "y_unit": None}  # fmt: skip
 
 
-def _ticks(ax: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
-        ticks = list(axis.get_ticklocs())
-        out[f"{name}_scale"] = _scale(axis)
-        out[f"{name}_ticks"] = [_value(axis, t) for t in ticks]
-        out[f"{name}_tick_labels"] = axis.get_major_formatter().format_ticks(ticks)
-    return out
+class _Axis:
+    """How positions on one axis read: as dates, as categories or as numbers."""
 
+    def __init__(self, axis: Any) -> None:
+        from matplotlib import dates
 
-def _scale(axis: Any) -> str:
-    from matplotlib import dates
+        self.axis = axis
+        mapping = getattr(axis.get_units(), "_mapping", None)  # matplotlib.category.UnitData
+        self.categories = (
+            {int(v): str(k) for k, v in mapping.items()} if isinstance(mapping, dict) else {}
+        )
+        self.dates = isinstance(axis.get_major_formatter(), dates.DateFormatter
+                                | dates.AutoDateFormatter | dates.ConciseDateFormatter)  # fmt: skip
+        self.scale = ("datetime" if self.dates else "categorical" if self.categories
+                      else str(axis.get_scale()))  # fmt: skip
 
-    if isinstance(axis.get_major_formatter(), dates.DateFormatter | dates.AutoDateFormatter
-                  | dates.ConciseDateFormatter):  # fmt: skip
-        return "datetime"
-    if _categories(axis):
-        return "categorical"
-    return str(axis.get_scale())
+    def value(self, v: float) -> Any:
+        """A position as its user gave it: a date, a category, or a number."""
+        from matplotlib import dates
 
+        if self.dates:
+            return dates.num2date(v).isoformat()
+        if self.categories:
+            return self.categories.get(round(v), _plain(v))
+        return _plain(v)
 
-def _categories(axis: Any) -> dict[int, str]:
-    mapping = getattr(axis.get_units(), "_mapping", None)  # matplotlib.category.UnitData
-    return {int(v): str(k) for k, v in mapping.items()} if isinstance(mapping, dict) else {}
+    def label(self, v: float) -> str:
+        value = self.value(v)
+        return value if isinstance(value, str) else str(value)
 
-
-def _value(axis: Any, v: float) -> Any:
-    """A position on the axis as its user gave it: a date, a category, or a number."""
-    from matplotlib import dates
-
-    scale = _scale(axis)
-    if scale == "datetime":
-        return dates.num2date(v).isoformat()
-    if scale == "categorical":
-        return _categories(axis).get(round(v), _plain(v))
-    return _plain(v)
-
-
-def _points(ax: Any, xy: Any) -> list[list[Any]]:
-    return [[_value(ax.xaxis, x), _value(ax.yaxis, y)] for x, y in xy]
-
-
-def _category(ax: Any, x: float) -> str:
-    value = _value(ax.xaxis, x)
-    return value if isinstance(value, str) else str(value)
+    def ticks(self, name: str) -> dict[str, Any]:
+        ticks = list(self.axis.get_ticklocs())
+        labels = self.axis.get_major_formatter().format_ticks(ticks)
+        return {f"{name}_scale": self.scale, f"{name}_ticks": [self.value(t) for t in ticks],
+                f"{name}_tick_labels": labels}  # fmt: skip
 
 
 def _name(container: Any, index: int) -> str:
@@ -181,7 +203,9 @@ def _name(container: Any, index: int) -> str:
 
 
 def _plain(v: Any) -> float | int | None:
-    """A number JSON carries: numpy's as Python's, NaN and infinities as null."""
+    """A number JSON carries: numpy's as Python's; NaN, infinities and masked values as null."""
+    if getattr(v, "mask", False) is True or type(v).__name__ == "MaskedConstant":
+        return None
     number = float(v)
     if not math.isfinite(number):
         return None
