@@ -107,6 +107,10 @@ def test_files_read_write_list_rename_remove_and_watch(sbx: Sandbox) -> None:
     assert not sbx.files.exists("/root/d/e/a.txt")
     with pytest.raises(SandboxException):  # FileNotFoundException is one
         sbx.files.read("/root/none")
+    # Metadata SPACE cannot keep is refused, not dropped: nothing is written.
+    with pytest.raises(SandboxException, match="metadata"):
+        sbx.files.write("/root/tagged", "x", metadata={"owner": "agent"})
+    assert not sbx.files.exists("/root/tagged")
 
     handle = sbx.files.watch_dir("/root/notes")
     sbx.files.write("/root/notes/new.txt", "x")
