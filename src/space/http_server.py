@@ -12,6 +12,7 @@ way. Two kinds of connection are then reset with their request unanswered:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import socket
 
@@ -22,6 +23,8 @@ DRAIN_S = 1.0
 # too): with equal times a client now and then sends a request on a connection the server is
 # closing just then, and it fails unanswered (the API saw its worker "unreachable" under load).
 KEEP_ALIVE_S = 10
+# accept(2)'s errors of the server's own: nothing more can be accepted now.
+OUT_OF = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EBADF, errno.EINVAL}
 
 
 class Server(uvicorn.Server):
@@ -30,17 +33,18 @@ class Server(uvicorn.Server):
         for server in self.servers:
             server.close()  # no new connections; the base class closes them again, harmlessly
         if queued:
-            taking = [asyncio.ensure_future(self._take(c)) for c in queued]
-            _, late = await asyncio.wait(taking, timeout=DRAIN_S)
-            for task in late:
-                task.cancel()  # a TLS handshake not done by now: uvicorn would not see it
+            # A plain connection is taken at once, a TLS one once its handshake ended (within
+            # DRAIN_S): each is then among uvicorn's connections when its shutdown looks.
+            await asyncio.wait([asyncio.ensure_future(self._take(c)) for c in queued])
         await asyncio.sleep(DRAIN_S)
         await super().shutdown(sockets)
 
     async def _take(self, conn: socket.socket) -> None:
         """Serves a connection accepted here rather than by the listener, as uvicorn would."""
         config = self.config
-        try:
+        # Failing (its client went away, its TLS handshake failed or took too long), the
+        # transport made of it has closed it.
+        with contextlib.suppress(Exception):
             await asyncio.get_running_loop().connect_accepted_socket(
                 lambda: config.http_protocol_class(  # type: ignore[call-arg]
                     config=config, server_state=self.server_state, app_state=self.lifespan.state
@@ -49,11 +53,6 @@ class Server(uvicorn.Server):
                 ssl=config.ssl,
                 ssl_handshake_timeout=DRAIN_S if config.ssl else None,
             )
-        except asyncio.CancelledError:
-            conn.close()
-            raise
-        except Exception:
-            conn.close()  # its client went away, or its TLS handshake failed
 
 
 def _accept_queued(server: asyncio.base_events.Server, most: int) -> list[socket.socket]:
@@ -71,10 +70,12 @@ def _accept_queued(server: asyncio.base_events.Server, most: int) -> list[socket
             for _ in range(most):
                 try:
                     conn, _ = sock.accept()
+                except BlockingIOError:
+                    break  # the queue is empty
                 except OSError as e:
-                    if e.errno == errno.ECONNABORTED:
-                        continue  # that client gave up; the ones behind it are still there
-                    break  # the queue is empty (or no descriptor is left)
+                    if e.errno in OUT_OF:
+                        break  # the stop goes on as uvicorn's would
+                    continue  # that connection's own error (accept(2)): the next one is fine
                 conn.setblocking(False)
                 queued.append(conn)
     return queued

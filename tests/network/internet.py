@@ -84,10 +84,16 @@ async def http(
     if "content-length" in headers:
         body = await reader.readexactly(int(headers["content-length"]))
     elif "chunked" in headers.get("transfer-encoding", "").lower():
-        body = await _chunked(reader)
+        try:
+            body = await _chunked(reader)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            writer.close()
+            return
     local = writer.get_extra_info("sockname")[0]
+    # A git push's pack is logged by its size only (megabytes of escaped binary otherwise).
+    logged = f"<{len(body)} bytes>" if path.startswith("/git/") else body.decode("latin-1")
     world.record(kind=scheme, served_by=local, method=method, path=path, headers=headers,
-                 body=body.decode("latin-1"))  # fmt: skip
+                 body=logged)  # fmt: skip
     if path.startswith("/git/"):
         await git(world, writer, method, path.removeprefix("/git"), headers, body)
         return
@@ -134,13 +140,13 @@ async def http(
 
 async def _chunked(reader: asyncio.StreamReader) -> bytes:
     """A chunked body, whole (git sends one past its 1 MiB post buffer)."""
-    body = b""
+    chunks = []
     while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-        body += await reader.readexactly(size)
+        chunks.append(await reader.readexactly(size))
         await reader.readexactly(2)
     while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
         pass
-    return body
+    return b"".join(chunks)
 
 
 async def git(
@@ -168,7 +174,11 @@ async def git(
         "git", "http-backend", env=env, stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, _ = await proc.communicate(body)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(body), 60)
+    except TimeoutError:
+        proc.kill()
+        out = b""
     head, _, content = out.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n") if head else []
     fields = {ln.split(":", 1)[0].strip().lower(): ln for ln in lines if ":" in ln}

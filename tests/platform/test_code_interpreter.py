@@ -104,6 +104,8 @@ def test_charts_and_dataframes_come_back_as_data(sbx: Sandbox) -> None:
     dots = chart("plt.scatter([1, 2], [3, 4])")
     assert isinstance(dots, ScatterChart) and dots.elements[0].points == [(1, 3), (2, 4)]
     gap = chart("plt.scatter([1, 2, 3], [1, float('nan'), 3])")  # no warning in the output
+    named = chart("plt.scatter(['a', 'b', 'c'], [1, float('nan'), 3])")  # and on categories
+    assert named.x_scale == ScaleType.CATEGORICAL and named.elements[0].points[0] == ("a", 1)
     first, missing, last = gap.elements[0].points
     assert (first, missing[1], last) == ((1, 1), None, (3, 3)), gap.elements[0].points
 
@@ -126,6 +128,10 @@ def test_charts_and_dataframes_come_back_as_data(sbx: Sandbox) -> None:
         "f": [0.30000000000000004],
         "t": ["2026-01-02T03:04:05.123456"],
     }
+    nested = sbx.run_code("pd.DataFrame({'l': [[1, 2]], 'o': [{'k': 1.5}]})").results[0]
+    assert nested.data == {"l": [[1, 2]], "o": [{"k": 1.5}]}, nested.data
+    clash = sbx.run_code("pd.DataFrame({1: [1], '1': [2]})").results[0]
+    assert clash.data is None and clash.text  # two columns would be one in JSON
     big = sbx.run_code("import numpy as np\npd.DataFrame(np.zeros((1000, 200)))").results[0]
     assert big.data is None and big.text  # past 100,000 values: its usual displays only
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -41,14 +40,10 @@ def register() -> None:
             cls = getattr(sys.modules.get(self.kind[0]), self.kind[1], None)
             if not self.enabled or cls is None or not isinstance(obj, cls):
                 return None
-            # What goes wrong is left out, warnings too: IPython would print it into the
-            # user's output.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                try:
-                    return self.make(obj)
-                except Exception:
-                    return None
+            try:
+                return self.make(obj)
+            except Exception:  # left out: IPython would print it into the user's output
+                return None
 
     class Data(Display):
         format_type = Unicode(DATA_MIME)
@@ -66,11 +61,17 @@ def register() -> None:
 
 
 def frame_data(frame: Any) -> dict[str, list[Any]] | None:
-    """Each column's values as JSON has them (dates in ISO 8601, NaN and NaT as null)."""
-    if frame.size > MAX_CELLS or not frame.columns.is_unique:
+    """Each column's values as JSON has them (dates in ISO 8601, NaN and NaT as null), column
+    by column until MAX_DATA_BYTES of JSON."""
+    if frame.size > MAX_CELLS or len({str(c) for c in frame.columns}) < len(frame.columns):
         return None
-    data = {str(k): [_cell(v) for v in values] for k, values in frame.to_dict("list").items()}
-    return data if len(json.dumps(data)) <= MAX_DATA_BYTES else None
+    data, size = {}, 0
+    for column, values in frame.to_dict("list").items():
+        data[str(column)] = cells = [_cell(v) for v in values]
+        size += len(json.dumps(cells, ensure_ascii=False))
+        if size > MAX_DATA_BYTES:
+            return None
+    return data
 
 
 def _cell(v: Any) -> Any:
@@ -80,12 +81,16 @@ def _cell(v: Any) -> Any:
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else None
+    if isinstance(v, list | tuple):
+        return [_cell(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _cell(x) for k, x in v.items()}
     if pandas.api.types.is_scalar(v) and pandas.isna(v):
         return None
     if hasattr(v, "isoformat"):
         return v.isoformat()
-    if hasattr(v, "item"):  # a numpy scalar
-        return _cell(v.item())
+    if hasattr(v, "tolist"):  # a numpy scalar or array
+        return _cell(v.tolist())
     return str(v)
 
 
@@ -177,9 +182,12 @@ class _Axis:
                       else str(axis.get_scale()))  # fmt: skip
 
     def value(self, v: float) -> Any:
-        """A position as its user gave it: a date, a category, or a number."""
+        """A position as its user gave it: a date, a category, or a number (None for a
+        missing one: NaN, or masked by matplotlib)."""
         from matplotlib import dates
 
+        if _plain(v) is None:
+            return None
         if self.dates:
             return dates.num2date(v).isoformat()
         if self.categories:

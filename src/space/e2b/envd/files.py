@@ -94,11 +94,11 @@ async def download(
 async def upload(
     request: Request, svc: Svc, path: Path = None, username: Username = None
 ) -> list[dict[str, Any]]:
+    t = await _target(svc, request, path, username, "write")
     if any(name.lower().startswith(METADATA_HEADER) for name in request.headers):
         # Kept as extended attributes under envd; the guest agent keeps none yet, and a write
         # that dropped them would answer as if it had.
         raise APIError(400, "file metadata (X-Metadata-* headers) is not supported by SPACE yet")
-    t = await _target(svc, request, path, username, "write")
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         return await _parts(t, request, path)
     if not path:
