@@ -90,11 +90,12 @@ async def http(
             writer.close()
             return
     local = writer.get_extra_info("sockname")[0]
+    is_git = path.startswith("/git/")
     # A git push's pack is logged by its size only (megabytes of escaped binary otherwise).
-    logged = f"<{len(body)} bytes>" if path.startswith("/git/") else body.decode("latin-1")
+    logged = f"<{len(body)} bytes>" if is_git else body.decode("latin-1")
     world.record(kind=scheme, served_by=local, method=method, path=path, headers=headers,
                  body=logged)  # fmt: skip
-    if path.startswith("/git/"):
+    if is_git:
         await git(world, writer, method, path.removeprefix("/git"), headers, body)
         return
     if path.startswith("/bytes/"):

@@ -212,7 +212,7 @@ def _name(container: Any, index: int) -> str:
 
 def _plain(v: Any) -> float | int | None:
     """A number JSON carries: numpy's as Python's; NaN, infinities and masked values as null."""
-    if getattr(v, "mask", False) is True or type(v).__name__ == "MaskedConstant":
+    if type(v).__name__ == "MaskedConstant":  # numpy.ma.masked, without importing numpy
         return None
     number = float(v)
     if not math.isfinite(number):
