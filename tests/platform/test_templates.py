@@ -185,6 +185,12 @@ def test_builds_fail_clearly(platform: Platform, image: str) -> None:
             ("Bad Name", good, 400),
             ("base", good, 409),
             ("bad", {**good, "extra": 1}, 422),
+            # A Dockerfile: what SPACE cannot build is refused with its line, before a build.
+            ("bad", {"dockerfile": "FROM space:base\nVOLUME /data\n"}, 400),
+            ("bad", {"dockerfile": "FROM a\nFROM b\n"}, 400),
+            ("bad", {"dockerfile": "RUN true\n"}, 400),
+            ("bad", {"dockerfile": "FROM space:base\n", "spec": good["spec"]}, 422),
+            ("bad", {**good, "build_args": {"A": "1"}}, 422),
         ):
             r = admin.post(f"/v1/templates/{name}/builds", json=body)
             assert r.status_code == status, (name, body.get("spec"), r.text)
@@ -220,18 +226,41 @@ def test_the_cli_builds_through_the_api_with_progress(platform: Platform, tmp_pa
     assert r.returncode == 1 and "admin" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_build_steps_reach_the_network_through_the_gateway(platform: Platform) -> None:
-    """A run step downloads (here from the test internet), as `apt-get install` would."""
-    fetch = "import urllib.request as u; print(u.urlopen('http://allowed.test/').read().decode())"
-    # New each run: the pool's step cache outlives it, and a cached step would not run.
-    once = f"; print({secrets.randbelow(10**9)})"
-    text = (
-        '[template]\nname = "fetched"\nfrom = "debian:bookworm"\n[[steps]]\n'
-        "run = '''python3 -c \"" + fetch + once + "\"'''\n"
+def test_a_dockerfile_builds_through_the_cli_and_its_runs_pass_the_gateway(
+    platform: Platform, tmp_path: Path
+) -> None:
+    """A RUN downloads (here from the test internet), as `apt-get install` would, and cannot
+    reach what no sandbox may (a stand-in metadata service of the test's own); COPY takes the
+    context less its .dockerignore, and ARGs come from --build-arg."""
+    fetch = (
+        "import sys, urllib.request as u\n"
+        "try: print(sys.argv[1], u.urlopen(sys.argv[1], timeout=10).read().decode())\n"
+        "except Exception as e: print(sys.argv[1], 'refused:', type(e).__name__)\n"
     )
-
+    (tmp_path / "fetch.py").write_text(fetch)
+    (tmp_path / "secret.env").write_text("TOKEN=never-sent\n")
+    (tmp_path / ".dockerignore").write_text("*.env\n")
+    # New each run: the pool's step cache outlives it, and a cached step would not run.
+    once = secrets.randbelow(10**9)
+    (tmp_path / "Dockerfile").write_text("""\
+FROM space:base
+ARG RUN_ID
+COPY . /opt/ctx/
+RUN python3 /opt/ctx/fetch.py http://allowed.test/ && echo run $RUN_ID
+RUN python3 /opt/ctx/fetch.py http://169.254.169.254/ && ls -A /opt/ctx | sed 's/^/ctx: /'
+CMD ["sleep", "infinity"]
+""")
+    argv = [sys.executable, "-m", "space.cli.main", "template", "build", "-f",
+            str(tmp_path / "Dockerfile"), "--name", "fetched", "--build-arg", f"RUN_ID={once}",
+            "--api-url", platform.api_url, "--api-key", platform.admin_key]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = r.stdout
+    assert "hello from allowed.test" in log and f"run {once}" in log, log
+    assert "http://169.254.169.254/ refused" in log, log
+    assert "ctx: .dockerignore" in log and "ctx: fetch.py" in log, log
+    assert "secret.env" not in log, log
     with platform.client(platform.admin_key) as admin:
-        tpl, log = build(admin, "fetched", {"spec": text})
-        assert tpl["state"] == "ready", (tpl, log)
-        assert "hello from allowed.test" in log, log
+        tpl = admin.get("/v1/templates/fetched").json()
+        assert tpl["state"] == "ready" and tpl["built"]["start"] == "sleep infinity", tpl
         assert admin.delete("/v1/templates/fetched").status_code == 200

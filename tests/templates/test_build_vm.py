@@ -27,6 +27,7 @@ from space.worker.templates import (
     list_templates,
     remove_template,
 )
+from space.worker.templates.dockerfile import dockerfile_spec
 from space.worker.templates.errors import (
     AuthenticationFailed,
     ImageNotFound,
@@ -295,3 +296,51 @@ async def test_image_without_python_is_refused_before_any_vm(
     with pytest.raises(NotBootable, match="python3"):
         await build_template(spec, env, print)
     assert not [p for p in env.cache.iterdir() if p.name.startswith(".tmp")]
+
+
+async def test_a_dockerfile_builds_the_template_it_says(
+    runtime: LocalRuntime, env: BuildEnv, debian_image: str, tmp_path: Path
+) -> None:
+    """Every instruction SPACE takes, built for real: owners and modes of copies, what the
+    .dockerignore leaves out, build arguments seen by RUN and not kept, the start command."""
+    for name in ("a.py", "b.py", "skip.py", "conf/x.conf", "conf/debug.log", "notes.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(f"{name}\n")
+    (tmp_path / ".dockerignore").write_text("skip.py\n**/*.log\n")
+    dockerfile = f"""\
+ARG WHO=nobody-said
+FROM {debian_image}
+ARG WHO
+ENV APP=/app
+WORKDIR $APP
+COPY --chown=nobody:nogroup --chmod=0750 *.py conf ./
+COPY notes.txt /etc/notes
+RUN echo "built by $WHO in $(pwd)" > who
+USER nobody
+CMD ["hello", "docker"]
+"""
+    text = dockerfile_spec(dockerfile, "from-dockerfile", {"WHO": "a build arg"}, insecure=True)
+    record = await build_template(parse_spec(text, tmp_path), env, print)
+    assert (record.workdir, record.user, record.start) == ("/app", "nobody", "hello docker")
+    assert record.env["APP"] == "/app" and "WHO" not in record.env
+
+    async for m in boot(runtime, record.rootfs):
+        ls = await m.agent.run(["sh", "-c", "cd /app && stat -c '%n %U:%G %a' * | sort"])
+        assert ls.stdout.decode().splitlines() == [
+            "a.py nobody:nogroup 750",
+            "b.py nobody:nogroup 750",
+            "who root:root 644",
+            "x.conf nobody:nogroup 750",
+        ], ls
+        assert await m.agent.read_file("/app/who") == b"built by a build arg in /app\n"
+        notes = await m.agent.run(["stat", "-c", "%U %a", "/etc/notes"])
+        assert notes.stdout == b"root 644\n", notes
+
+    lines: list[str] = []
+    again = await build_template(parse_spec(text, tmp_path), env, lines.append)
+    assert again.digest == record.digest
+    assert "source: cached" in lines[2] and not any("done in" in line for line in lines), lines
+    assert sum(": cached (" in line for line in lines) == 5, lines  # source, steps with a VM
+    (tmp_path / "skip.py").write_text("changed, and ignored all the same\n")
+    (tmp_path / "conf/debug.log").write_text("changed too\n")
+    assert (await build_template(parse_spec(text, tmp_path), env, print)).digest == record.digest

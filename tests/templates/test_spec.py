@@ -41,7 +41,8 @@ def test_full_spec(tmp_path: Path) -> None:
     spec = load_spec(tmp_path)
     assert spec.name == "web" and spec.insecure and spec.disk_mib == 2048
     assert [s.kind for s in spec.steps] == ["run", "copy", "env", "workdir", "user"]
-    assert spec.steps[1].src == (tmp_path / "app").resolve()
+    copied = spec.steps[1].copied
+    assert copied is not None and copied.srcs == ((tmp_path / "app").resolve(),)
     creds = spec.credentials({"REG_USER": "u", "REG_PASS": "p"})
     assert creds is not None and (creds.username, creds.password) == ("u", "p")
     assert "p" not in repr(creds)
@@ -72,9 +73,31 @@ def test_full_spec(tmp_path: Path) -> None:
             "outside the spec's directory",
         ),
         ("[template]\nname = 'x'\nfrom = 'oci://localhost:5000/UP'\n", "bad repository"),
+        (
+            "[template]\nname = 'x'\nfrom = 'dir:/'\n[[steps]]\n"
+            "copy = {src = ['a', 'b'], dst = '/x'}\n",
+            "needs a directory as its dst",
+        ),
+        (
+            "[template]\nname = 'x'\nfrom = 'dir:/'\n[[steps]]\ncopy = {src = [], dst = '/x/'}\n",
+            "non-empty list",
+        ),
+        (
+            "[template]\nname = 'x'\nfrom = 'dir:/'\n[[steps]]\n"
+            "copy = {src = 'a', dst = '/x', chown = 'a b'}\n",
+            "chown 'a b'",
+        ),
+        (
+            "[template]\nname = 'x'\nfrom = 'dir:/'\n[[steps]]\n"
+            "copy = {src = 'a', dst = '/x', chmod = '999'}\n",
+            "octal mode",
+        ),
+        ("[template]\nname = 'x'\nfrom = 'dir:/'\nignore_file = '../x'\n", "outside the spec"),
         ("not toml [", "not valid TOML"),
     ],
 )
 def test_bad_specs(tmp_path: Path, text: str, error: str) -> None:
+    (tmp_path / "a").write_text("a")
+    (tmp_path / "b").write_text("b")
     with pytest.raises(SpecError, match=error):
         parse_spec(text, tmp_path)

@@ -254,12 +254,27 @@ class CheckpointRef(Strict):
 
 
 class BuildRequest(Strict):
-    """A spec to build, or a checkpoint of one of your sandboxes to make the template of."""
+    """A spec or a Dockerfile to build, or a checkpoint of one of your sandboxes to make the
+    template of."""
 
     spec: str = Field(default="", max_length=1 << 20, description="the space.toml text")
+    dockerfile: str = Field(
+        default="", max_length=1 << 20, description="instead of a spec: a Dockerfile's text "
+        "(docs/templates.md says what each instruction becomes; its context's .dockerignore "
+        "is kept)",
+    )  # fmt: skip
+    build_args: dict[str, str] = Field(
+        default_factory=dict, max_length=256,
+        description="with a dockerfile: values of its ARGs (docker build --build-arg)",
+    )  # fmt: skip
+    insecure: bool = Field(
+        False, description="with a dockerfile: its FROM registry speaks plain HTTP (local hosts "
+        "only)",
+    )  # fmt: skip
     context: str = Field(
         "", max_length=96 << 20, description="base64 of a tar (optionally compressed) holding "
-        "the files the spec's copy steps name, relative to the spec's directory",
+        "the files the spec's copy steps name, relative to the spec's directory (or the "
+        "Dockerfile's build context)",
     )  # fmt: skip
     environ: dict[str, str] = Field(
         default_factory=dict,
@@ -280,7 +295,12 @@ class BuildRequest(Strict):
 
     @model_validator(mode="after")
     def one_source(self) -> BuildRequest:
-        check_build_source(self.spec, self.checkpoint, self.context, self.environ)
+        if self.spec and self.dockerfile:
+            raise ValueError("give a spec or a dockerfile, not both")
+        if (self.build_args or self.insecure) and not self.dockerfile:
+            raise ValueError("build_args and insecure go with a dockerfile")
+        check_build_source(self.spec or self.dockerfile, self.checkpoint, self.context,
+                           self.environ)  # fmt: skip
         return self
 
 

@@ -32,6 +32,8 @@ from space.api.schemas import (
 from space.db.store import NotFound, Row, Tenant
 from space.db.store.templates import build_context
 from space.worker.api.client import Worker
+from space.worker.templates.dockerfile import dockerfile_spec
+from space.worker.templates.errors import SpecError
 from space.worker.templates.record import shape_error
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"])
@@ -79,7 +81,8 @@ async def get_template(template_id: str, svc: Svc, caller: Caller) -> Template:
 
 @router.post("/{template_id}/builds", status_code=202, response_model=Template)
 async def build(template_id: str, body: BuildRequest, svc: Svc, caller: Caller) -> Template:
-    """Build (or rebuild) a template from a space.toml; follow it at .../build/log. Steps
+    """Build (or rebuild) a template from a space.toml or a Dockerfile (built as the spec it
+    becomes); follow it at .../build/log. Steps
     whose inputs did not change since an earlier build on that worker come from its cache.
     The build is queued; the controller starts it on a worker with room (the template's own
     worker for a rebuild). Or make it of one of your checkpoints (on that checkpoint's
@@ -96,8 +99,15 @@ async def build(template_id: str, body: BuildRequest, svc: Svc, caller: Caller) 
     sealed = None
     if body.environ:
         sealed = svc.sealer.seal(json.dumps(body.environ).encode(), build_context(template_id))
+    spec = body.spec
+    if body.dockerfile:  # built as the spec it says: its steps, cache and log are a spec's
+        try:
+            spec = dockerfile_spec(body.dockerfile, template_id, body.build_args,
+                                   insecure=body.insecure)  # fmt: skip
+        except SpecError as e:
+            raise APIError(400, str(e)) from None
     checkpoint = await _checkpoint(svc, caller, body.checkpoint) if body.checkpoint else None
-    await svc.store.request_build(template_id, secrets.token_hex(8), body.spec, context, sealed,
+    await svc.store.request_build(template_id, secrets.token_hex(8), spec, context, sealed,
                                   checkpoint, tenant_id=caller.id)  # fmt: skip
     row = await svc.wait_for_template(template_id, lambda r: r["state"] != "queued", START_WAIT_S)
     if row["state"] in ("ready", "failed") and row["error"]:

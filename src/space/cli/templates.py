@@ -1,4 +1,5 @@
-"""`space template ...`: build templates from a spec file (space.toml), list them.
+"""`space template ...`: build templates from a spec file (space.toml) or a Dockerfile, list
+them.
 
 `build` asks the platform's API (a worker builds it, the log streams back), or with `--local`
 runs the same builder here, with this host's VM runtime. Either way the log streams to the
@@ -13,6 +14,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
@@ -40,7 +42,8 @@ from space.worker.templates import (
     prune_cache,
     remove_template,
 )
-from space.worker.templates.spec import SPEC_FILE
+from space.worker.templates.dockerfile import dockerfile_spec
+from space.worker.templates.spec import SPEC_FILE, parse_spec
 from space.worker.vmm.base import VMMError
 
 _console = Console(highlight=False)
@@ -60,8 +63,22 @@ def template() -> None:
     type=click.Path(path_type=Path, exists=True),
     default=Path("space.toml"),
     show_default=True,
-    help="The template spec (a directory means its space.toml).",
+    help="The template spec (a directory means its space.toml), or a Dockerfile.",
 )
+@click.option("--name", help="With a Dockerfile: the template's name.")
+@click.option(
+    "--context",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    help="With a Dockerfile: its build context (default: the Dockerfile's directory).",
+)
+@click.option(
+    "--build-arg", "build_args", multiple=True, metavar="NAME=VALUE",
+    help="With a Dockerfile: the value of one of its ARGs (repeatable).",
+)  # fmt: skip
+@click.option(
+    "--insecure", is_flag=True,
+    help="With a Dockerfile: its FROM registry speaks plain HTTP (local hosts only).",
+)  # fmt: skip
 @click.option("--local", is_flag=True, help="Build on this host, not through the API.")
 @click.option(
     "--out",
@@ -72,19 +89,80 @@ def template() -> None:
 @click.option("--api-url", envvar=URL_VARIABLE, help="API address (as for `space sandbox`).")
 @click.option("--api-key", envvar=KEY_VARIABLE, help="An admin API key.")
 def build(
-    spec_path: Path, local: bool, out: Path | None, api_url: str | None, api_key: str | None
+    spec_path: Path,
+    name: str | None,
+    context: Path | None,
+    build_args: tuple[str, ...],
+    insecure: bool,
+    local: bool,
+    out: Path | None,
+    api_url: str | None,
+    api_key: str | None,
 ) -> None:
-    """Build the template a spec file describes; cached steps are reused."""
+    """Build the template a spec file or a Dockerfile describes; cached steps are reused."""
     try:
+        source = _Source.of(spec_path, name, context, build_args, insecure)
         if not local:
-            asyncio.run(_build_remote(spec_path, api_url, api_key))
+            asyncio.run(_build_remote(source, api_url, api_key))
             return
-        record = asyncio.run(_build(spec_path, out))
+        record = asyncio.run(_build(source.spec, out))
     except (TemplateError, ImageBuildError, AgentError, VMMError, OSError, SpaceError) as e:
         raise click.ClickException(str(e)) from None
     _console.print(f"[bold green]built[/] {record.name} {record.digest}  {record.path}")
     if record.command:
         _console.print(f"  command: {' '.join(record.command)}")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What `build` was given: a spec file, or a Dockerfile with its context and arguments
+    (and the spec it becomes, checked here before anything is uploaded)."""
+
+    path: Path
+    spec: TemplateSpec
+    dockerfile: bool = False
+    context: Path | None = None
+    build_args: dict[str, str] = field(default_factory=dict)
+    insecure: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        path: Path,
+        name: str | None,
+        context: Path | None,
+        build_args: tuple[str, ...],
+        insecure: bool,
+    ) -> _Source:
+        if not _is_dockerfile(path):
+            if name or context or build_args or insecure:
+                raise click.UsageError(
+                    "--name, --context, --build-arg and --insecure go with a Dockerfile"
+                )
+            return cls(path / SPEC_FILE if path.is_dir() else path, load_spec(path))
+        if not name:
+            raise click.UsageError("a Dockerfile build needs the template's --name")
+        args = dict(_build_arg(a) for a in build_args)
+        context = (context or path.parent).resolve()
+        text = dockerfile_spec(path.read_text(), name, args, insecure=insecure)
+        spec = parse_spec(text, context, where=f"{path} (as a template spec)")
+        return cls(path, spec, True, context, args, insecure)
+
+
+def _is_dockerfile(path: Path) -> bool:
+    name = path.name.lower()
+    return path.is_file() and (
+        name in ("dockerfile", "containerfile")
+        or name.startswith("dockerfile.")
+        or name.endswith(".dockerfile")
+    )
+
+
+def _build_arg(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"{text!r} is not NAME=VALUE", param_hint="--build-arg")
+    return key, value
 
 
 @contextlib.contextmanager
@@ -119,23 +197,26 @@ def _progress(spec: TemplateSpec) -> Iterator[Callable[[str], None]]:
         progress.update(task, completed=stages)
 
 
-async def _build(spec_path: Path, out: Path | None) -> TemplateRecord:
-    spec = load_spec(spec_path)
+async def _build(spec: TemplateSpec, out: Path | None) -> TemplateRecord:
     with _progress(spec) as log:
         rt = await local_runtime(Settings.from_env().worker, log=log)
         env = BuildEnv.from_runtime(rt, out)
         return await build_template(spec, env, log)
 
 
-async def _build_remote(spec_path: Path, api_url: str | None, api_key: str | None) -> None:
-    """Through the API: the spec's directory goes along as the build context, and the values
-    of the credential variables it names are read from this environment."""
-    spec = load_spec(spec_path)  # checked here first: a bad spec fails before any upload
-    names = [n for n in (spec.username_env, spec.password_env) if n]
-    environ = {n: os.environ[n] for n in names if n in os.environ}
-    path = spec_path / SPEC_FILE if spec_path.is_dir() else spec_path
+async def _build_remote(source: _Source, api_url: str | None, api_key: str | None) -> None:
+    """Through the API: the spec's directory (a Dockerfile's context) goes along as the build
+    context, and the values of the credential variables a spec names are read from this
+    environment."""
+    spec = source.spec
     async with AsyncSpace(api_url, api_key) as space:
-        await space.build_template(spec.name, path, environ)
+        if source.dockerfile:
+            await space.build_from_dockerfile(spec.name, source.path, source.context,
+                                              source.build_args, source.insecure)  # fmt: skip
+        else:
+            names = [n for n in (spec.username_env, spec.password_env) if n]
+            environ = {n: os.environ[n] for n in names if n in os.environ}
+            await space.build_template(spec.name, source.path, environ)
         with _progress(spec) as log:
             async for line in space.build_log(spec.name):
                 log(line)

@@ -20,6 +20,7 @@ from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, runtime_
 from urllib.parse import quote
 
 import httpx
+from e2b_dockerfile_utils import PatternMatcher
 
 from space import __version__
 from space.client._config import resolve_credentials
@@ -395,12 +396,35 @@ def template(name: str) -> Call[TemplateInfo]:
 def build_template(name: str, spec: Path, environ: Mapping[str, str]) -> Call[TemplateInfo]:
     """Build `name` from a space.toml; its directory (the files copy steps bring in) goes along
     as the build context."""
-    context = io.BytesIO()
-    with tarfile.open(fileobj=context, mode="w:gz") as tf:
-        tf.add(spec.parent, arcname=".")
     body = {"spec": spec.read_text(), "environ": dict(environ),
-            "context": base64.b64encode(context.getvalue()).decode()}  # fmt: skip
+            "context": _tar(spec.parent, lambda info: info)}  # fmt: skip
     return Call("POST", _template(name, "/builds"), _json(TemplateInfo.from_json), body=body)
+
+
+def build_from_dockerfile(
+    name: str, dockerfile: Path, context: Path, build_args: Mapping[str, str], insecure: bool
+) -> Call[TemplateInfo]:
+    """Build `name` from a Dockerfile; `context` goes along, less what its .dockerignore
+    excludes (which the worker applies again)."""
+    ignore = context / ".dockerignore"
+    lines = ignore.read_text().splitlines() if ignore.is_file() else []
+    matcher = PatternMatcher([s for line in lines if (s := line.strip()) and s[0] != "#"])
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        path = info.name.removeprefix("./")
+        return info if path in (".", ".dockerignore") or not matcher.matches(path) else None
+
+    body = {"dockerfile": dockerfile.read_text(), "build_args": dict(build_args),
+            "insecure": insecure, "context": _tar(context, keep)}  # fmt: skip
+    return Call("POST", _template(name, "/builds"), _json(TemplateInfo.from_json), body=body)
+
+
+def _tar(directory: Path, keep: Callable[[tarfile.TarInfo], tarfile.TarInfo | None]) -> str:
+    """A directory as the base64 of a gzipped tar, with what `keep` keeps."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        tf.add(directory, arcname=".", filter=keep)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def template_from_checkpoint(name: str, sandbox_id: str, checkpoint_id: str) -> Call[TemplateInfo]:

@@ -140,6 +140,23 @@ class Space:
         of the variables it names for registry credentials. Follow it with `build_log`."""
         return self._call(calls.build_template(name, Path(spec), environ or {}))
 
+    def build_from_dockerfile(
+        self,
+        name: str,
+        dockerfile: str | Path,
+        context: str | Path | None = None,
+        build_args: Mapping[str, str] | None = None,
+        insecure: bool = False,
+    ) -> TemplateInfo:
+        """Start building `name` from a Dockerfile (admin keys only); `context` (default: the
+        Dockerfile's directory) goes along, less what its .dockerignore excludes. Follow it
+        with `build_log`."""
+        path = Path(dockerfile)
+        call = calls.build_from_dockerfile(
+            name, path, Path(context or path.parent), build_args or {}, insecure
+        )
+        return self._call(call)
+
     def template_from_checkpoint(
         self, name: str, sandbox_id: str, checkpoint: str | CheckpointInfo
     ) -> TemplateInfo:

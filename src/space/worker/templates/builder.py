@@ -45,7 +45,7 @@ from space.worker.templates import rootfs
 from space.worker.templates.errors import BuildError
 from space.worker.templates.record import RECORD_FILE, ROOTFS_FILE, TemplateRecord, agent_user
 from space.worker.templates.sources import Source, resolve_source, tree_digest
-from space.worker.templates.spec import METADATA_KINDS, Step, TemplateSpec
+from space.worker.templates.spec import METADATA_KINDS, Copied, Step, TemplateSpec
 from space.worker.vmm.base import Driver, SnapshotInfo
 from space.worker.vmm.process import vmm_pids
 
@@ -59,14 +59,29 @@ BUILD_VMS_DIR = "build-vms"
 STALE_TMP_S = 3600.0
 SHUTDOWN_TIMEOUT = 30.0
 
-# Runs in the build VM on the template's python3: unpacks the tar of a copy step from stdin.
-_UNPACK = (
-    "import os, sys, tarfile\n"
-    "os.makedirs(sys.argv[1], exist_ok=True)\n"
-    "kw = {'filter': 'fully_trusted'} if hasattr(tarfile, 'fully_trusted_filter') else {}\n"
-    "with tarfile.open(fileobj=sys.stdin.buffer, mode='r|') as tf:\n"
-    "    tf.extractall(sys.argv[1], **kw)\n"
-)
+# Runs in the build VM on the template's python3: unpacks the tar of a copy step from stdin
+# into argv[1], owned by argv[2] ("user[:group]", names resolved in the image; a user without
+# a group also gives its id as the group's, as Docker's --chown does) if given.
+_UNPACK = """
+import grp, os, pwd, sys, tarfile
+def ident(name, db, field):
+    try:
+        return int(name) if name.isdigit() else getattr(db(name), field)
+    except KeyError:
+        sys.exit(f"chown: no {'user' if db is pwd.getpwnam else 'group'} {name!r} in the image")
+owner = sys.argv[2] if len(sys.argv) > 2 else ""
+if owner:
+    user, _, group = owner.partition(":")
+    uid = ident(user, pwd.getpwnam, "pw_uid")
+    gid = ident(group, grp.getgrnam, "gr_gid") if group else uid
+os.makedirs(sys.argv[1], exist_ok=True)
+kw = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tf:
+    for member in tf:
+        tf.extract(member, sys.argv[1], **kw)
+        if owner:
+            os.lchown(os.path.join(sys.argv[1], member.name), uid, gid)
+"""
 
 
 @dataclass(frozen=True)
@@ -198,8 +213,8 @@ async def build_template(
         state.descriptions.append(desc)
         identity = step.identity()
         if step.kind == "copy":
-            assert step.src is not None
-            identity["content"] = await asyncio.to_thread(_copy_digest, step.src)
+            assert step.copied is not None
+            identity["content"] = await asyncio.to_thread(_copy_digest, step.copied)
         key = _chain(key, identity)
         if step.kind in METADATA_KINDS:
             _apply_metadata(step, state)
@@ -312,35 +327,57 @@ async def _source_stage(
         raise
 
 
-def _copy_digest(src: Path) -> str:
+def _copy_digest(copied: Copied) -> str:
+    """The contents a copy step takes; one source is hashed as it always was, so cache keys
+    stay those of earlier releases."""
+    digests = [(src.name, _source_digest(src, copied)) for src in copied.srcs]
+    if len(digests) == 1:
+        return digests[0][1]
+    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()
+
+
+def _source_digest(src: Path, copied: Copied) -> str:
     if src.is_dir():
-        return tree_digest(src)
+        return tree_digest(src, skip=copied.excluded if copied.ignore else None)
     h = hashlib.sha256(f"{src.stat().st_mode:o}\0".encode())
     h.update(src.read_bytes())
     return h.hexdigest()
 
 
 def _copy_tar(step: Step, out: Path) -> str:
-    """Write into `out` a tar of what a copy step brings in (owned by root); where it goes."""
-    assert step.src is not None and step.dst is not None
+    """Write into `out` a tar of what a copy step brings in (owned by root, or by its chown
+    once unpacked; with its chmod); where it goes."""
+    copied = step.copied
+    assert copied is not None and step.dst is not None
 
-    def as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    def member(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.uid = info.gid = 0
         info.uname = info.gname = "root"
+        if step.chmod is not None and not info.issym():
+            info.mode = step.chmod
         return info
 
+    def add(path: Path, arcname: str) -> None:
+        tf.add(path, arcname=arcname, filter=member, recursive=False)
+        if path.is_dir() and not path.is_symlink():
+            for child in sorted(path.iterdir()):
+                if not copied.excluded(child):
+                    add(child, f"{arcname}/{child.name}")
+
+    into_dir = step.dst.endswith("/") or len(copied.srcs) > 1
     with tarfile.open(out, mode="w") as tf:
-        if step.src.is_dir():
-            dest = step.dst
-            for child in sorted(step.src.iterdir()):
-                tf.add(child, arcname=child.name, filter=as_root)
-        else:
-            if step.dst.endswith("/"):
-                dest, name = step.dst.rstrip("/") or "/", step.src.name
+        dest = (step.dst.rstrip("/") or "/") if into_dir else step.dst
+        for src in copied.srcs:
+            if src.is_dir():  # its contents, as a directory's are
+                for child in sorted(src.iterdir()):
+                    if not copied.excluded(child):
+                        add(child, child.name)
+            elif into_dir:
+                add(src, src.name)
             else:
                 dest, _, name = step.dst.rpartition("/")
                 dest = dest or "/"
-            tf.add(step.src, arcname=name, filter=as_root)
+                add(src, name)
     return dest
 
 
@@ -424,9 +461,9 @@ async def _in_build_vm(
                 tar = Path(staging) / "copy.tar"
                 dest = await asyncio.to_thread(_copy_tar, step, tar)
                 log(f"  copying {tar.stat().st_size / 1e6:.1f} MB into {dest}")
+                unpack = ["python3", "-c", _UNPACK, dest, *([step.chown] if step.chown else [])]
                 await _run(
-                    m, ["python3", "-c", _UNPACK, dest], state, index, step, log, cwd="/",
-                    as_user=False, input=tar,
+                    m, unpack, state, index, step, log, cwd="/", as_user=False, input=tar,
                 )  # fmt: skip
         else:
             raise BuildError(f"step {index}: unknown kind {step.kind!r}")

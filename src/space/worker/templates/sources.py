@@ -310,13 +310,16 @@ def file_digest(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def tree_digest(root: Path) -> str:
-    """A hash of a directory tree: names, types, modes, owners, link targets and contents."""
+def tree_digest(root: Path, skip: Callable[[Path], bool] | None = None) -> str:
+    """A hash of a directory tree: names, types, modes, owners, link targets and contents (of
+    what `skip` does not leave out)."""
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in sorted([*dirnames, *filenames]):
             p = Path(dirpath, name)
+            if skip is not None and skip(p):
+                continue
             st = p.lstat()
             rel = os.path.relpath(p, root)
             h.update(f"{rel}\0{st.st_mode:o}\0{st.st_uid}:{st.st_gid}\0".encode())

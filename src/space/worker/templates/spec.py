@@ -17,6 +17,8 @@ password_env = "REGISTRY_PASSWORD"
 run = "pip install -r /app/requirements.txt"
 [[steps]]
 copy = { src = "app/", dst = "/app" }      # src is relative to the spec's directory
+[[steps]]   # several sources or a wildcard go into a directory (dst ends with /)
+copy = { src = ["*.py", "conf/"], dst = "/srv/", chown = "app:app", chmod = "0644" }
 [[steps]]
 env = { APP_ENV = "prod" }
 [[steps]]
@@ -27,13 +29,17 @@ user = "nobody"
 
 from __future__ import annotations
 
+import functools
+import glob
 import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from e2b_dockerfile_utils import PatternMatcher
 
 from space.worker.templates.errors import SpecError
 from space.worker.templates.registry import Credentials
@@ -42,18 +48,38 @@ from space.worker.templates.sources import SourceRef
 SPEC_FILE = "space.toml"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_OWNER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?$")
+_MODE = re.compile(r"^0?[0-7]{3,4}$")
+MAX_IGNORE_BYTES = 1 << 20
 STEP_KINDS = ("run", "copy", "env", "workdir", "user")
 # Steps that change only how later processes run, not the disk: they need no VM.
 METADATA_KINDS = ("env", "user")
 
 
 @dataclass(frozen=True)
+class Copied:
+    """What a copy step takes of the spec's directory: its sources (absolute paths inside it,
+    wildcards expanded) less what the ignore file excludes (paths relative to it)."""
+
+    context: Path
+    srcs: tuple[Path, ...]
+    ignore: tuple[str, ...] = ()
+
+    def excluded(self, path: Path) -> bool:
+        return bool(self.ignore) and _matcher(self.ignore).matches(
+            path.relative_to(self.context).as_posix()
+        )
+
+
+@dataclass(frozen=True)
 class Step:
     kind: str
     run: str | None = None
-    src: Path | None = None  # copy: an absolute path inside the spec's directory
+    copied: Copied | None = None
     src_text: str | None = None  # copy: as written in the spec
     dst: str | None = None
+    chown: str | None = None  # copy: "user[:group]", names or ids, resolved in the image
+    chmod: int | None = None  # copy: the mode of every file and directory it brings in
     env: dict[str, str] = field(default_factory=dict)
     value: str | None = None  # workdir, user
 
@@ -61,13 +87,19 @@ class Step:
         if self.kind == "run":
             return f"run: {self.run}"
         if self.kind == "copy":
-            return f"copy: {self.src_text} -> {self.dst}"
+            how = "".join(
+                f" ({k} {v})" for k, v in (("chown", self.chown), ("chmod", self.chmod_text))
+                if v is not None
+            )  # fmt: skip
+            return f"copy: {self.src_text} -> {self.dst}{how}"
         if self.kind == "env":
             return "env: " + " ".join(f"{k}={v}" for k, v in self.env.items())
         return f"{self.kind}: {self.value}"
 
     def identity(self) -> dict[str, Any]:
-        """What of the step goes into its cache key (copied contents are added by the builder)."""
+        """What of the step goes into its cache key (copied contents are added by the builder).
+        An owner or mode joins it only when set, so steps without keep the keys they had."""
+        owned = {k: v for k, v in (("chown", self.chown), ("chmod", self.chmod)) if v is not None}
         return {
             "kind": self.kind,
             "run": self.run,
@@ -75,7 +107,11 @@ class Step:
             "dst": self.dst,
             "env": self.env,
             "value": self.value,
-        }
+        } | owned
+
+    @property
+    def chmod_text(self) -> str | None:
+        return None if self.chmod is None else f"{self.chmod:04o}"
 
 
 @dataclass(frozen=True)
@@ -161,7 +197,7 @@ def parse_spec(text: str, context: Path, *, where: str = SPEC_FILE) -> TemplateS
     _keys(
         tpl,
         ("name", "from", "insecure", "registry", "disk_mib", "memory_mib", "vcpus", "start",
-         "ready", "step_timeout"),
+         "ready", "step_timeout", "ignore_file"),
         w,
     )  # fmt: skip
     name = _str(tpl, "name", w, required=True)
@@ -200,7 +236,8 @@ def parse_spec(text: str, context: Path, *, where: str = SPEC_FILE) -> TemplateS
     raw_steps = data.get("steps", [])
     if not isinstance(raw_steps, list):
         raise SpecError(f"{where}: 'steps' must be an array of tables ([[steps]])")
-    steps = [_step(s, i, context, where) for i, s in enumerate(raw_steps, 1)]
+    ignore = _ignore_patterns(context, _str(tpl, "ignore_file", w), w)
+    steps = [_step(s, i, context, ignore, where) for i, s in enumerate(raw_steps, 1)]
     step_timeout = tpl.get("step_timeout", 3600)
     if not isinstance(step_timeout, int | float) or step_timeout <= 0:
         raise SpecError(f"{w}: 'step_timeout' must be a positive number of seconds")
@@ -221,7 +258,38 @@ def parse_spec(text: str, context: Path, *, where: str = SPEC_FILE) -> TemplateS
     )
 
 
-def _step(raw: Any, i: int, context: Path, where: str) -> Step:
+def _ignore_patterns(context: Path, name: str | None, where: str) -> tuple[str, ...]:
+    """The patterns of the spec's ignore file (`.dockerignore` syntax), if it names one and
+    the spec's directory holds it: what no copy step takes."""
+    if name is None:
+        return ()
+    path = _inside(context, name, f"{where}: ignore_file")
+    if not path.is_file():
+        return ()
+    if path.stat().st_size > MAX_IGNORE_BYTES:
+        raise SpecError(f"{where}: ignore_file {name!r} is larger than {MAX_IGNORE_BYTES} bytes")
+    lines = (line.strip() for line in path.read_text(errors="replace").splitlines())
+    patterns = tuple(line for line in lines if line and not line.startswith("#"))
+    try:
+        _matcher(patterns)
+    except ValueError as e:
+        raise SpecError(f"{where}: ignore_file {name!r}: {e}") from None
+    return patterns
+
+
+@functools.cache
+def _matcher(patterns: tuple[str, ...]) -> PatternMatcher:
+    return PatternMatcher(list(patterns))
+
+
+def _inside(context: Path, text: str, what: str) -> Path:
+    path = (context / text).resolve()
+    if path != context and context not in path.parents:
+        raise SpecError(f"{what} {text!r} is outside the spec's directory {context}")
+    return path
+
+
+def _step(raw: Any, i: int, context: Path, ignore: tuple[str, ...], where: str) -> Step:
     w = f"{where} step {i}"
     if not isinstance(raw, dict):
         raise SpecError(f"{w}: each [[steps]] entry must be a table")
@@ -249,15 +317,53 @@ def _step(raw: Any, i: int, context: Path, where: str) -> Step:
     copy = raw["copy"]
     if not isinstance(copy, dict):
         raise SpecError(f'{w}: copy must be a table {{ src = "...", dst = "/..." }}')
-    _keys(copy, ("src", "dst"), f"{w} copy")
-    src_text = _str(copy, "src", f"{w} copy", required=True)
-    dst = _str(copy, "dst", f"{w} copy", required=True)
-    assert src_text is not None and dst is not None
+    wc = f"{w} copy"
+    _keys(copy, ("src", "dst", "chown", "chmod"), wc)
+    src = copy.get("src")
+    texts = [src] if isinstance(src, str) else src
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip()
+                                                            for t in texts):  # fmt: skip
+        raise SpecError(f"{wc}: 'src' must be a path or a non-empty list of paths")
+    dst = _str(copy, "dst", wc, required=True)
+    assert dst is not None
     if not dst.startswith("/"):
         raise SpecError(f"{w}: copy dst must be an absolute path in the image")
-    src = (context / src_text).resolve()
-    if src != context and context not in src.parents:
-        raise SpecError(f"{w}: copy src {src_text!r} is outside the spec's directory {context}")
-    if not src.exists():
-        raise SpecError(f"{w}: copy src {src_text!r} does not exist ({src})")
-    return Step("copy", src=src, src_text=src_text, dst=dst)
+    copied = Copied(context, (), ignore)
+    srcs = tuple(p for t in texts for p in _sources(copied, t, f"{w}: copy src"))
+    if len(srcs) > 1 and not dst.endswith("/"):
+        raise SpecError(f"{w}: copy of several files (or a wildcard) needs a directory as its "
+                        f"dst, ending with '/' (got {dst!r})")  # fmt: skip
+    chown = _str(copy, "chown", wc)
+    if chown is not None and not _OWNER.match(chown):
+        raise SpecError(f"{wc}: chown {chown!r} must be 'user', 'user:group' (names or ids)")
+    mode = _str(copy, "chmod", wc)
+    if mode is not None and not _MODE.match(mode):
+        raise SpecError(f"{wc}: chmod {mode!r} must be an octal mode such as '0755'")
+    return Step(
+        "copy",
+        copied=replace(copied, srcs=srcs),
+        src_text=src if isinstance(src, str) else " ".join(texts),
+        dst=dst,
+        chown=chown,
+        chmod=None if mode is None else int(mode, 8),
+    )
+
+
+def _sources(copied: Copied, text: str, what: str) -> list[Path]:
+    """What a copy source names: one path, or what its wildcard matches, inside the context
+    and not excluded by its ignore file."""
+    context = copied.context
+    if not glob.has_magic(text):
+        path = _inside(context, text, what)
+        if not path.exists():
+            raise SpecError(f"{what} {text!r} does not exist ({path})")
+        if path != context and copied.excluded(path):
+            raise SpecError(f"{what} {text!r} is excluded by the ignore file")
+        return [path]
+    _inside(context, os.path.dirname(text) or ".", what)
+    matches = glob.glob(text, root_dir=context, include_hidden=True)
+    found = sorted({_inside(context, m, what) for m in matches} - {context})
+    found = [p for p in found if not copied.excluded(p)]
+    if not found:
+        raise SpecError(f"{what} {text!r} matches nothing in {context}")
+    return found

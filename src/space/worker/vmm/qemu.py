@@ -68,6 +68,8 @@ QMP_FD = 5
 AGENT_FD = 6
 AGENT_CHARDEV = "agent"
 CONSOLE_FD = 7
+CONSOLE_TAIL_LINES = 25
+TAIL_BYTES = 16 << 10  # of a log read for its last lines: a guest can fill its console
 DISK_FD = 8
 DRIVE_FD = 9  # extra drive i: DRIVE_FD + i
 # QEMU opens a disk read-only first, then for writing; a set holds a descriptor for each, the
@@ -132,20 +134,15 @@ class QemuVM(VM):
                 how = f"killed by signal {-code}"
             else:
                 how = f"exited with code {code}"
-            detail = self._qemu_log_tail()
+            detail = _tail(self.run_dir / QEMU_LOG, 3)
             self._reason = f"VMM process {how}" + (f": {detail}" if detail else "")
-            log.warning("vm %s: %s", self.id, self._reason)
+            # The guest's last words (a panic, a reset) say why its VMM ended.
+            log.warning("vm %s: %s; its console ended: %s", self.id, self._reason,
+                        _tail(self.console_log, CONSOLE_TAIL_LINES))  # fmt: skip
         elif self._state != VMState.CRASHED:
             self._state = VMState.STOPPED
         self._exited.set()
         await self._release()
-
-    def _qemu_log_tail(self) -> str:
-        try:
-            lines = (self.run_dir / QEMU_LOG).read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(lines[-3:])
 
     async def _release(self) -> None:
         """Remove everything this VM made; never the caller's disk."""
@@ -768,6 +765,17 @@ def _memory_backend(config: VMConfig, readonly_private_map: bool) -> list[str]:
     if not config.memory_shared and readonly_private_map:
         backend += ",readonly=on,rom=off"
     return ["-object", backend, "-machine", f"memory-backend={RAM_ID}"]
+
+
+def _tail(path: Path, lines: int) -> str:
+    """The last `lines` lines of a log the VMM or its guest wrote, joined on one line."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(text.strip().splitlines()[-lines:])
 
 
 def _capabilities(**states: bool) -> dict[str, Any]:
