@@ -721,10 +721,12 @@ class QemuDriver(Driver):
             config = config.with_changes(memory_file=None, memory_shared=False)
         # QEMU reads the state straight from an inherited descriptor: no `cat`, no pipe. A
         # stream that leaves RAM out is read only once the capability that says so is set.
-        incoming = ["-incoming", "defer" if memory else f"fd:{STATE_FD}"]
+        # `-S`: once loaded the guest stays stopped, as a paused VM's snapshot leaves it, even
+        # when the state is a live snapshot's (which QEMU would otherwise start by itself):
+        # the agent's stream is connected before it runs, and `paused` holds for every state.
+        incoming = ["-S", "-incoming", "defer" if memory else f"fd:{STATE_FD}"]
         vm = await self._launch(config, run_dir, incoming, state)
-        # The incoming migration runs before QEMU starts the vCPUs. The snapshot was taken of a
-        # paused VM, so once loaded it is paused too, and we start it.
+        # The incoming migration runs before QEMU starts the vCPUs; we start them.
         try:
             if memory:
                 ignore_shared = _capabilities(**{IGNORE_SHARED: True})
