@@ -81,6 +81,17 @@ def context() -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def big_context() -> str:
+    """A build context of 3 MiB that does not compress."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        data = secrets.token_bytes(3 << 20)
+        info = tarfile.TarInfo("blob.bin")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def build(admin: httpx.Client, name: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """Start a build, follow its log to the end; the template as it then is, and the log."""
     r = admin.post(f"/v1/templates/{name}/builds", json=body)
@@ -193,8 +204,13 @@ def test_builds_fail_clearly(platform: Platform, image: str) -> None:
             ("bad", {**good, "build_args": {"A": "1"}}, 422),
         ):
             r = admin.post(f"/v1/templates/{name}/builds", json=body)
-            assert r.status_code == status, (name, body.get("spec"), r.text)
+            assert r.status_code == status, (name, body.get("spec"), r.text[:500])
             assert r.json()["detail"]
+        # A context past the 1 MiB of other bodies reaches the worker, which finds no source
+        # of that name in it.
+        body = {"dockerfile": "FROM space:base\nCOPY missing /x\n", "context": big_context()}
+        r = admin.post("/v1/templates/bad/builds", json=body)
+        assert r.status_code == 400 and "'missing' does not exist" in r.text, r.text[:500]
         r = c.post("/v1/templates/bad/builds", json=good)  # not an admin key
         assert r.status_code == 403
         assert c.delete("/v1/templates/bad").status_code == 403

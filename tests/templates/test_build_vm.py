@@ -315,6 +315,7 @@ ENV APP=/app
 WORKDIR $APP
 COPY --chown=nobody:nogroup --chmod=0750 *.py conf ./
 COPY notes.txt /etc/notes
+COPY --chown=nobody notes.txt /srv/made/here/
 RUN echo "built by $WHO in $(pwd)" > who
 USER nobody
 CMD ["hello", "docker"]
@@ -335,12 +336,19 @@ CMD ["hello", "docker"]
         assert await m.agent.read_file("/app/who") == b"built by a build arg in /app\n"
         notes = await m.agent.run(["stat", "-c", "%U %a", "/etc/notes"])
         assert notes.stdout == b"root 644\n", notes
+        # The directories a copy had to make are its owner's too; those there already are not.
+        made = await m.agent.run(["stat", "-c", "%n %u:%g", "/srv", "/srv/made",
+                                  "/srv/made/here", "/srv/made/here/notes.txt"])  # fmt: skip
+        assert made.stdout.decode().splitlines() == [
+            "/srv 0:0", "/srv/made 65534:65534", "/srv/made/here 65534:65534",
+            "/srv/made/here/notes.txt 65534:65534",
+        ], made  # fmt: skip
 
     lines: list[str] = []
     again = await build_template(parse_spec(text, tmp_path), env, lines.append)
     assert again.digest == record.digest
     assert "source: cached" in lines[2] and not any("done in" in line for line in lines), lines
-    assert sum(": cached (" in line for line in lines) == 5, lines  # source, steps with a VM
+    assert sum(": cached (" in line for line in lines) == 6, lines  # source, steps with a VM
     (tmp_path / "skip.py").write_text("changed, and ignored all the same\n")
     (tmp_path / "conf/debug.log").write_text("changed too\n")
     assert (await build_template(parse_spec(text, tmp_path), env, print)).digest == record.digest

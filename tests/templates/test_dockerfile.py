@@ -3,12 +3,14 @@ its line and the reason). No VM: the build of such a spec is tested in test_buil
 
 from __future__ import annotations
 
+import tarfile
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from space.worker.templates.builder import _copy_digest, _copy_tar
 from space.worker.templates.dockerfile import dockerfile_spec
 from space.worker.templates.errors import SpecError
 from space.worker.templates.spec import parse_spec
@@ -66,9 +68,9 @@ def test_every_instruction_becomes_its_step() -> None:
 @pytest.mark.parametrize(
     ("text", "start"),
     [
-        ("CMD python3 app.py", "python3 app.py"),
+        ("CMD python3 app.py # a comment", "/bin/sh -c 'python3 app.py # a comment'"),
         ('CMD ["python3", "a b.py"]', "python3 'a b.py'"),
-        ("ENTRYPOINT run-me\nCMD ignored", "run-me"),
+        ("ENTRYPOINT run-me\nCMD ignored", "/bin/sh -c run-me"),
         ('ENTRYPOINT ["tini", "--"]\nCMD python3 app.py', "tini -- /bin/sh -c 'python3 app.py'"),
         ('ENTRYPOINT ["serve"]', "serve"),
     ],
@@ -110,6 +112,13 @@ def test_from_names_an_oci_image_and_build_args_reach_it() -> None:
         ("FROM a\nCOPY onlyone\n", 2, "sources and a destination"),
         ("FROM a\nHEALTHCHECK --interval=1s\n", 2, "NONE or CMD"),
         ("FROM a\nCOPY --chown a /b\n", 2, "needs a value"),
+        ("FROM a\nCOPY --chown='a b' x /b\n", 2, "--chown=a b: must match"),
+        ("FROM a\nCOPY --chmod=999 x /b\n", 2, "--chmod=999: must match"),
+        ("FROM a\nCOPY ../secret /b\n", 2, "outside the build context"),
+        ("FROM a\nADD ftp://example.com/x /x\n", 2, "fetches nothing from outside"),
+        ("FROM a\nRUN []\n", 2, "an empty command"),
+        ("FROM $UNSET\n", 1, "names no image"),
+        ("FROM a\nENV A=x\n" + "ENV A=$A$A\n" * 20, 19, "expands to more than"),
     ],
 )
 def test_what_is_refused_says_its_line_and_why(text: str, line: int, why: str) -> None:
@@ -131,20 +140,64 @@ def test_unreadable_dockerfiles_are_refused(text: str, why: str) -> None:
         dockerfile_spec(text, "x")
 
 
+def test_wildcards_match_names_not_links_and_a_name_that_exists_is_itself(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real/a.txt").write_text("a")
+    (tmp_path / "link").symlink_to("real")
+    (tmp_path / "b[1].txt").write_text("b")
+    spec = parse_spec(dockerfile_spec("FROM a\nCOPY */*.txt b[1].txt /x/\n", "x"), tmp_path)
+    copied = spec.steps[0].copied
+    assert copied is not None
+    assert [p.relative_to(tmp_path).as_posix() for p in copied.srcs] == ["real/a.txt", "b[1].txt"]
+
+
 def test_the_spec_it_becomes_copies_what_dockerignore_keeps(tmp_path: Path) -> None:
-    for name in ("a.py", "b.py", ".hidden.py", "skip.py", "dir/keep.txt", "dir/x.log"):
-        (tmp_path / name).parent.mkdir(exist_ok=True)
+    files = ("a.py", "b.py", ".hidden.py", "skip.py", "dir/keep.txt", "dir/x.log",
+             "dir/sub/drop.txt", "dir/sub/back.txt")  # fmt: skip
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(name)
-    (tmp_path / ".dockerignore").write_text("# comment\nskip.py\n**/*.log\n")
+    (tmp_path / ".dockerignore").write_text("# comment\nskip.py\n**/*.log\ndir/sub\n"
+                                            "!dir/sub/back.txt\n")  # fmt: skip
+    (tmp_path / "out").symlink_to("/etc")
     text = "FROM debian\nCOPY *.py /app/\nCOPY dir /app/dir\n"
     spec = parse_spec(dockerfile_spec(text, "x"), tmp_path)
-    first, second = (s.copied for s in spec.steps)
-    assert first is not None and second is not None
-    assert [p.name for p in first.srcs] == [".hidden.py", "a.py", "b.py"]
-    assert second.excluded(tmp_path / "dir/x.log") and not second.excluded(tmp_path / "dir")
+    first, second = spec.steps
+    assert first.copied is not None and second.copied is not None
+    assert [p.name for p in first.copied.srcs] == [".hidden.py", "a.py", "b.py"]
+    assert _copy_tar(second, tmp_path / "copy.tar") == "/app/dir"
+    with tarfile.open(tmp_path / "copy.tar") as tf:
+        assert sorted(tf.getnames()) == ["keep.txt", "sub/back.txt"]
+    # What the ignore file leaves out is not in the step's key either.
+    before = _copy_digest(second)
+    (tmp_path / "dir/x.log").write_text("changed")
+    (tmp_path / "dir/sub/drop.txt").write_text("changed")
+    assert _copy_digest(second) == before
+    (tmp_path / "dir/sub/back.txt").write_text("changed")
+    assert _copy_digest(second) != before
+
     with pytest.raises(SpecError, match="excluded by the ignore file"):
         parse_spec(dockerfile_spec("FROM debian\nCOPY skip.py /x\n", "x"), tmp_path)
     with pytest.raises(SpecError, match="outside the spec's directory"):
-        parse_spec(dockerfile_spec("FROM debian\nCOPY ../etc /x\n", "x"), tmp_path)
+        parse_spec(dockerfile_spec("FROM debian\nCOPY out /x\n", "x"), tmp_path)
     with pytest.raises(SpecError, match="matches nothing"):
         parse_spec(dockerfile_spec("FROM debian\nCOPY *.rs /x/\n", "x"), tmp_path)
+
+
+def test_a_wildcards_key_changes_with_the_names_it_matches(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("same")
+    text = dockerfile_spec("FROM debian\nCOPY *.txt /d/\n", "x")
+    before = _copy_digest(parse_spec(text, tmp_path).steps[0])
+    (tmp_path / "a.txt").rename(tmp_path / "b.txt")
+    assert _copy_digest(parse_spec(text, tmp_path).steps[0]) != before
+
+
+def test_sources_are_the_contexts_and_the_spec_stays_bounded() -> None:
+    steps = spec_of("FROM a\nCOPY /etc/conf ./x /app/\n")["steps"]
+    assert steps == [{"copy": {"src": ["etc/conf", "x"], "dst": "/app/"}}]
+    # Every RUN carries the build arguments in scope: a spec past 1 MiB is refused.
+    many = "FROM a\n" + "".join(f"ARG A{i}={'x' * 60000}\n" for i in range(2)) + "RUN true\n" * 20
+    with pytest.raises(SpecError, match="larger than"):
+        dockerfile_spec(many, "x")

@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from space.problem import problem
+from space.worker.api.models import MAX_CONTEXT_B64
 
 JSON_BODY = 1 << 20  # every JSON body the API takes is far smaller
 INGRESS_BODY = 1 << 30  # streamed to the sandbox's service as it arrives
@@ -20,6 +21,8 @@ STREAMED = re.compile(r"^/v1/sandboxes/[^/]+/files$")
 INGRESS = re.compile(r"^/v1/sandboxes/[^/]+/ports/")
 STDIN_BODY = 16 << 20  # raw input for a running process, in one call
 STDIN = re.compile(r"^/v1/sandboxes/[^/]+/processes/[^/]+/stdin$")
+BUILDS = re.compile(r"^/v1/templates/[^/]+/builds$")
+BUILD_BODY = MAX_CONTEXT_B64 + (3 << 20)  # a build's context, with its spec or Dockerfile
 E2B_FILES = "/e2b/envd/files"  # a multipart form is spooled to disk before it goes on
 E2B_FORM_BODY = 256 << 20  # the SDKs send large and streamed writes raw, which stream through
 E2B_INPUT = "/e2b/envd/process.Process/StreamInput"  # a terminal's keys, as long as it lasts
@@ -36,6 +39,8 @@ def cap_for(method: str, path: str, form: bool = False) -> int | None:
         return INGRESS_BODY
     if STDIN.match(path):
         return STDIN_BODY
+    if method == "POST" and BUILDS.match(path):
+        return BUILD_BODY
     return JSON_BODY
 
 

@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from space.netpolicy import NetworkPolicy, SecretBinding
 from space.webhooks.events import EVENT_TYPES
-from space.worker.api.models import check_build_source, check_tag
+from space.worker.api.models import MAX_CONTEXT_B64, check_build_source, check_tag
+from space.worker.templates.dockerfile import MAX_VALUE_BYTES
 
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]{2,39}$"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -272,9 +273,9 @@ class BuildRequest(Strict):
         "only)",
     )  # fmt: skip
     context: str = Field(
-        "", max_length=96 << 20, description="base64 of a tar (optionally compressed) holding "
-        "the files the spec's copy steps name, relative to the spec's directory (or the "
-        "Dockerfile's build context)",
+        "", max_length=MAX_CONTEXT_B64, description="base64 of a tar (optionally "
+        "compressed) holding the files the spec's copy steps name, relative to the spec's "
+        "directory (or the Dockerfile's build context)",
     )  # fmt: skip
     environ: dict[str, str] = Field(
         default_factory=dict,
@@ -292,6 +293,14 @@ class BuildRequest(Strict):
     @classmethod
     def env_names(cls, env: dict[str, str]) -> dict[str, str]:
         return _check_env(env)
+
+    @field_validator("build_args")
+    @classmethod
+    def arg_values(cls, args: dict[str, str]) -> dict[str, str]:
+        if long := [k for k, v in args.items() if len(k) > 256 or len(v) > MAX_VALUE_BYTES]:
+            raise ValueError(f"build_args {long[0][:64]!r}: names of at most 256 characters, "
+                             f"values of at most {MAX_VALUE_BYTES}")  # fmt: skip
+        return args
 
     @model_validator(mode="after")
     def one_source(self) -> BuildRequest:

@@ -412,7 +412,11 @@ def build_from_dockerfile(
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         path = info.name.removeprefix("./")
-        return info if path in (".", ".dockerignore") or not matcher.matches(path) else None
+        if path in (".", ".dockerignore") or not matcher.matches(path):
+            return info
+        # An excluded directory goes along (to be walked) when a `!` pattern takes back some
+        # of it.
+        return info if info.isdir() and matcher.may_match_under(path) else None
 
     body = {"dockerfile": dockerfile.read_text(), "build_args": dict(build_args),
             "insecure": insecure, "context": _tar(context, keep)}  # fmt: skip

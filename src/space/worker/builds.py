@@ -33,6 +33,7 @@ from space.worker.templates import (
     BuildLog,
     TemplateError,
     TemplateRecord,
+    TemplateSpec,
     build_template,
     list_templates,
     parse_spec,
@@ -78,21 +79,24 @@ class Builds:
                             manager.pool.root, egress=manager.egress)  # fmt: skip
         self._builds: dict[str, Build] = {}
 
-    def start(
+    async def start(
         self, name: str, spec: str, context: bytes, environ: dict[str, str], request_id: str = ""
     ) -> Build:
         if (same := self._same(name, request_id)) is not None:
             return same
         workdir = Path(tempfile.mkdtemp(prefix="space-build-"))
         try:
-            _unpack(context, workdir)
-            parsed = parse_spec(spec, workdir)
+            # Unpacking the context and matching its copy sources is file work: off the loop.
+            parsed = await asyncio.to_thread(_prepare, spec, context, workdir)
+            if parsed.name != name:
+                raise BuildRefused(f"the spec builds template {parsed.name!r}, not {name!r}")
+            same = self._same(name, request_id)  # the same request may have come meanwhile
         except (TemplateError, BuildRefused) as e:
             shutil.rmtree(workdir, ignore_errors=True)
             raise BuildRefused(str(e)) from None
-        if parsed.name != name:
+        if same is not None:
             shutil.rmtree(workdir, ignore_errors=True)
-            raise BuildRefused(f"the spec builds template {parsed.name!r}, not {name!r}")
+            return same
 
         async def job(build_log: BuildLog) -> TemplateRecord:
             try:
@@ -197,6 +201,11 @@ class Builds:
                 b.task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await b.task
+
+
+def _prepare(spec: str, context: bytes, workdir: Path) -> TemplateSpec:
+    _unpack(context, workdir)
+    return parse_spec(spec, workdir)
 
 
 def _unpack(context: bytes, dest: Path) -> None:

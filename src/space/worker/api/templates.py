@@ -40,7 +40,9 @@ class TemplateRoutes:
                     name, source.vm_id, source.checkpoint_id, body.request_id
                 )
             else:
-                build = self.builds.start(name, body.spec, context, body.environ, body.request_id)
+                build = await self.builds.start(
+                    name, body.spec, context, body.environ, body.request_id
+                )
         except BuildRefused as e:
             raise Problem(400, str(e)) from None
         return JSONResponse(build.status(), status_code=202)

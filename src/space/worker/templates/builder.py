@@ -61,7 +61,8 @@ SHUTDOWN_TIMEOUT = 30.0
 
 # Runs in the build VM on the template's python3: unpacks the tar of a copy step from stdin
 # into argv[1], owned by argv[2] ("user[:group]", names resolved in the image; a user without
-# a group also gives its id as the group's, as Docker's --chown does) if given.
+# a group also gives its id as the group's, as Docker's --chown does) if given, with the
+# directories it had to make for argv[1].
 _UNPACK = """
 import grp, os, pwd, sys, tarfile
 def ident(name, db, field):
@@ -74,6 +75,10 @@ if owner:
     user, _, group = owner.partition(":")
     uid = ident(user, pwd.getpwnam, "pw_uid")
     gid = ident(group, grp.getgrnam, "gr_gid") if group else uid
+made, path = [], os.path.abspath(sys.argv[1])
+while not os.path.lexists(path):
+    made.append(path)
+    path = os.path.dirname(path)
 os.makedirs(sys.argv[1], exist_ok=True)
 kw = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tf:
@@ -81,6 +86,8 @@ with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tf:
         tf.extract(member, sys.argv[1], **kw)
         if owner:
             os.lchown(os.path.join(sys.argv[1], member.name), uid, gid)
+for path in made if owner else ():
+    os.lchown(path, uid, gid)
 """
 
 
@@ -214,7 +221,7 @@ async def build_template(
         identity = step.identity()
         if step.kind == "copy":
             assert step.copied is not None
-            identity["content"] = await asyncio.to_thread(_copy_digest, step.copied)
+            identity["content"] = await asyncio.to_thread(_copy_digest, step)
         key = _chain(key, identity)
         if step.kind in METADATA_KINDS:
             _apply_metadata(step, state)
@@ -327,13 +334,17 @@ async def _source_stage(
         raise
 
 
-def _copy_digest(copied: Copied) -> str:
-    """The contents a copy step takes; one source is hashed as it always was, so cache keys
-    stay those of earlier releases."""
-    digests = [(src.name, _source_digest(src, copied)) for src in copied.srcs]
-    if len(digests) == 1:
-        return digests[0][1]
-    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()
+def _copy_digest(step: Step) -> str:
+    """The contents a copy step takes. One source named as it is written is hashed as it
+    always was (cache keys stay those of earlier releases); otherwise the names each source
+    is found under join its contents (a wildcard's matches say what lands in the image)."""
+    copied = step.copied
+    assert copied is not None
+    if len(copied.srcs) == 1 and copied.srcs[0] == (copied.context / str(step.src_text)).resolve():
+        return _source_digest(copied.srcs[0], copied)
+    named = [(src.relative_to(copied.context).as_posix(), _source_digest(src, copied))
+             for src in copied.srcs]  # fmt: skip
+    return hashlib.sha256(json.dumps(named).encode()).hexdigest()
 
 
 def _source_digest(src: Path, copied: Copied) -> str:
@@ -358,11 +369,15 @@ def _copy_tar(step: Step, out: Path) -> str:
         return info
 
     def add(path: Path, arcname: str) -> None:
-        tf.add(path, arcname=arcname, filter=member, recursive=False)
-        if path.is_dir() and not path.is_symlink():
+        directory = path.is_dir() and not path.is_symlink()
+        if copied.excluded(path):
+            if not (directory and copied.walk_excluded(path)):
+                return
+        else:
+            tf.add(path, arcname=arcname, filter=member, recursive=False)
+        if directory:
             for child in sorted(path.iterdir()):
-                if not copied.excluded(child):
-                    add(child, f"{arcname}/{child.name}")
+                add(child, f"{arcname}/{child.name}")
 
     into_dir = step.dst.endswith("/") or len(copied.srcs) > 1
     with tarfile.open(out, mode="w") as tf:
@@ -370,8 +385,7 @@ def _copy_tar(step: Step, out: Path) -> str:
         for src in copied.srcs:
             if src.is_dir():  # its contents, as a directory's are
                 for child in sorted(src.iterdir()):
-                    if not copied.excluded(child):
-                        add(child, child.name)
+                    add(child, child.name)
             elif into_dir:
                 add(src, src.name)
             else:
@@ -461,7 +475,9 @@ async def _in_build_vm(
                 tar = Path(staging) / "copy.tar"
                 dest = await asyncio.to_thread(_copy_tar, step, tar)
                 log(f"  copying {tar.stat().st_size / 1e6:.1f} MB into {dest}")
-                unpack = ["python3", "-c", _UNPACK, dest, *([step.chown] if step.chown else [])]
+                # Isolated (-I): the template's PYTHON* variables and files are not ours.
+                unpack = ["/usr/bin/python3", "-I", "-c", _UNPACK, dest,
+                          *([step.chown] if step.chown else [])]  # fmt: skip
                 await _run(
                     m, unpack, state, index, step, log, cwd="/", as_user=False, input=tar,
                 )  # fmt: skip

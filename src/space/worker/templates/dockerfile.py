@@ -38,10 +38,13 @@ from e2b_dockerfile_utils import (
 )
 
 from space.worker.templates.errors import SpecError
+from space.worker.templates.spec import MODE, OWNER
 
 IGNORE_FILE = ".dockerignore"
 MAX_DOCKERFILE_BYTES = 1 << 20
-_URL = re.compile(r"^(https?|git)://|^git@", re.IGNORECASE)
+MAX_SPEC_BYTES = 1 << 20  # what a spec may be (`$A$A` doubles a value at each line)
+MAX_VALUE_BYTES = 64 << 10  # an expanded value
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://|^git@", re.IGNORECASE)
 _ARCHIVE = re.compile(r"\.(tar|tar\.gz|tgz|tar\.bz2|tbz2?|tar\.xz|txz|tar\.zst)$", re.IGNORECASE)
 # Instructions that change neither the disk nor how the template's processes run.
 _NOTHING = frozenset({"EXPOSE", "LABEL", "MAINTAINER"})
@@ -78,9 +81,14 @@ class _Build:
     def expand(self, word: str, line: int) -> str:
         lexer = ShellLex("\\", env={**self.args, **self.env}, skip_unset_env=False)
         try:
-            return lexer.process_word(word)
+            value = lexer.process_word(word)
         except ValueError as e:
             raise DockerfileError(f"Dockerfile line {line}: {e}") from None
+        if len(value.encode()) > MAX_VALUE_BYTES:
+            raise DockerfileError(
+                f"Dockerfile line {line}: a value expands to more than {MAX_VALUE_BYTES} bytes"
+            )
+        return value
 
 
 def dockerfile_spec(
@@ -107,7 +115,11 @@ def dockerfile_spec(
         template["start"] = start
     if build.ready:
         template["ready"] = build.ready
-    return tomli_w.dumps({"template": template, "steps": build.steps})
+    spec = tomli_w.dumps({"template": template, "steps": build.steps})
+    if len(spec.encode()) > MAX_SPEC_BYTES:
+        raise DockerfileError(f"Dockerfile: the spec it makes is larger than {MAX_SPEC_BYTES} "
+                              "bytes (its build arguments are repeated at every RUN)")  # fmt: skip
+    return spec
 
 
 def _instruction(b: _Build, ins: DockerfileInstruction) -> None:
@@ -135,7 +147,9 @@ def _instruction(b: _Build, ins: DockerfileInstruction) -> None:
     if flags:
         raise refuse(f"the option(s) {', '.join(sorted(flags))} are not supported")
     if kind == "RUN":
-        b.steps.append({"run": _exports(b) + _command(ins.args, ins.json)})
+        if not (command := _command(ins.args, ins.json)).strip():
+            raise refuse("an empty command")
+        b.steps.append({"run": _exports(b) + command})
     elif kind == "ENV":
         _env(b, ins, refuse)
     elif kind == "WORKDIR":
@@ -198,6 +212,8 @@ def _from(b: _Build, ins: DockerfileInstruction, refuse: Any) -> None:
     if len(ins.args) not in (1, 3) or (len(ins.args) == 3 and ins.args[1].lower() != "as"):
         raise refuse("takes an image and, optionally, AS name")
     image = b.expand(ins.args[0], ins.start_line)
+    if not image:
+        raise refuse(f"{ins.args[0]!r} names no image")
     # An ARG before FROM is in scope for FROM only, unless declared again after it.
     b.globals, b.args = b.args, {}
     if image == "scratch":
@@ -230,7 +246,7 @@ def _copy(b: _Build, ins: DockerfileInstruction, flags: dict[str, str], refuse: 
     if len(ins.args) < 2:
         raise refuse("takes one or more sources and a destination")
     *srcs, dst = (b.expand(w, ins.start_line) for w in ins.args)
-    for src in srcs:
+    for i, src in enumerate(srcs):
         if _URL.match(src):
             raise refuse(
                 f"{src}: a build fetches nothing from outside its context (that would pass "
@@ -238,11 +254,17 @@ def _copy(b: _Build, ins: DockerfileInstruction, flags: dict[str, str], refuse: 
             )
         if ins.name == "ADD" and _ARCHIVE.search(src):
             raise refuse(f"{src}: ADD unpacks archives, which SPACE does not; COPY it, RUN tar")
+        # As Docker: sources are in the context, a leading / too; none above it.
+        srcs[i] = posixpath.normpath(src.lstrip("/") or ".")
+        if srcs[i] == ".." or srcs[i].startswith("../"):
+            raise refuse(f"{src}: a source outside the build context")
     dst = _path(b.workdir, dst, directory=dst.endswith("/") or dst in (".", ".."))
     step: dict[str, Any] = {"src": srcs[0] if len(srcs) == 1 else srcs, "dst": dst}
-    for key in ("chown", "chmod"):
+    for key, form in (("chown", OWNER), ("chmod", MODE)):
         if key in flags:
-            step[key] = b.expand(flags[key], ins.start_line)
+            step[key] = value = b.expand(flags[key], ins.start_line)
+            if not form.match(value):
+                raise refuse(f"--{key}={value}: must match {form.pattern}")
     b.steps.append({"copy": step})
 
 
@@ -278,15 +300,16 @@ def _exports(b: _Build) -> str:
 
 
 def _start(b: _Build) -> str | None:
-    """The template's start command: ENTRYPOINT then CMD, as Docker joins them."""
-    if b.entrypoint is not None:
-        words, exec_form = b.entrypoint
-        if not exec_form:
-            return _command(words, False) or None  # the shell form ignores CMD
-        extra = b.cmd[0] if b.cmd is not None and b.cmd[1] else []
-        if b.cmd is not None and not b.cmd[1]:
-            extra = ["/bin/sh", "-c", _command(b.cmd[0], False)]
-        return shlex.join([*words, *extra]) or None
-    if b.cmd is not None:
-        return _command(*b.cmd) or None
-    return None
+    """The template's start command: ENTRYPOINT then CMD, as Docker joins them (a shell form
+    is `/bin/sh -c` of it, and a shell-form ENTRYPOINT takes no CMD)."""
+    words = [*_argv(b.entrypoint)]
+    if b.entrypoint is None or b.entrypoint[1]:
+        words += _argv(b.cmd)
+    return shlex.join(words) if words else None
+
+
+def _argv(form: tuple[list[str], bool] | None) -> list[str]:
+    if form is None:
+        return []
+    words, exec_form = form
+    return list(words) if exec_form else ["/bin/sh", "-c", " ".join(words)]

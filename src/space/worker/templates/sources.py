@@ -312,7 +312,8 @@ def file_digest(path: Path) -> str:
 
 def tree_digest(root: Path, skip: Callable[[Path], bool] | None = None) -> str:
     """A hash of a directory tree: names, types, modes, owners, link targets and contents (of
-    what `skip` does not leave out)."""
+    what `skip` does not leave out; what it leaves out of a directory it walks all the same,
+    as a `!` pattern of an ignore file may take it back)."""
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()

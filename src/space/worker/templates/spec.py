@@ -29,6 +29,7 @@ user = "nobody"
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import glob
 import os
@@ -48,9 +49,13 @@ from space.worker.templates.sources import SourceRef
 SPEC_FILE = "space.toml"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_OWNER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?$")
-_MODE = re.compile(r"^0?[0-7]{3,4}$")
+OWNER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?$")
+MODE = re.compile(r"^0?[0-7]{3,4}$")
 MAX_IGNORE_BYTES = 1 << 20
+MAX_IGNORE_PATTERNS = 1000
+MAX_PATTERN_CHARS = 256
+MAX_PATTERN_STARS = 4
+MAX_MATCHES = 10_000  # paths one wildcard source may name
 STEP_KINDS = ("run", "copy", "env", "workdir", "user")
 # Steps that change only how later processes run, not the disk: they need no VM.
 METADATA_KINDS = ("env", "user")
@@ -66,9 +71,15 @@ class Copied:
     ignore: tuple[str, ...] = ()
 
     def excluded(self, path: Path) -> bool:
-        return bool(self.ignore) and _matcher(self.ignore).matches(
-            path.relative_to(self.context).as_posix()
-        )
+        return bool(self.ignore) and _matcher(self.ignore).matches(self._rel(path))
+
+    def walk_excluded(self, directory: Path) -> bool:
+        """Whether an excluded directory must still be walked: a `!` pattern may take back
+        something under it."""
+        return _matcher(self.ignore).may_match_under(self._rel(directory))
+
+    def _rel(self, path: Path) -> str:
+        return path.relative_to(self.context).as_posix()
 
 
 @dataclass(frozen=True)
@@ -270,6 +281,15 @@ def _ignore_patterns(context: Path, name: str | None, where: str) -> tuple[str, 
         raise SpecError(f"{where}: ignore_file {name!r} is larger than {MAX_IGNORE_BYTES} bytes")
     lines = (line.strip() for line in path.read_text(errors="replace").splitlines())
     patterns = tuple(line for line in lines if line and not line.startswith("#"))
+    # Bounded: a pattern of many '*' matches by backtracking, in time that grows as a power.
+    if len(patterns) > MAX_IGNORE_PATTERNS:
+        raise SpecError(f"{where}: ignore_file {name!r} has more than {MAX_IGNORE_PATTERNS} "
+                        "patterns")  # fmt: skip
+    for pattern in patterns:
+        if len(pattern) > MAX_PATTERN_CHARS or pattern.count("*") > MAX_PATTERN_STARS:
+            raise SpecError(f"{where}: ignore_file {name!r}: pattern {pattern[:80]!r} is longer "
+                            f"than {MAX_PATTERN_CHARS} characters or has more than "
+                            f"{MAX_PATTERN_STARS} '*'")  # fmt: skip
     try:
         _matcher(patterns)
     except ValueError as e:
@@ -277,7 +297,7 @@ def _ignore_patterns(context: Path, name: str | None, where: str) -> tuple[str, 
     return patterns
 
 
-@functools.cache
+@functools.lru_cache(maxsize=16)
 def _matcher(patterns: tuple[str, ...]) -> PatternMatcher:
     return PatternMatcher(list(patterns))
 
@@ -334,10 +354,10 @@ def _step(raw: Any, i: int, context: Path, ignore: tuple[str, ...], where: str) 
         raise SpecError(f"{w}: copy of several files (or a wildcard) needs a directory as its "
                         f"dst, ending with '/' (got {dst!r})")  # fmt: skip
     chown = _str(copy, "chown", wc)
-    if chown is not None and not _OWNER.match(chown):
+    if chown is not None and not OWNER.match(chown):
         raise SpecError(f"{wc}: chown {chown!r} must be 'user', 'user:group' (names or ids)")
     mode = _str(copy, "chmod", wc)
-    if mode is not None and not _MODE.match(mode):
+    if mode is not None and not MODE.match(mode):
         raise SpecError(f"{wc}: chmod {mode!r} must be an octal mode such as '0755'")
     return Step(
         "copy",
@@ -350,20 +370,46 @@ def _step(raw: Any, i: int, context: Path, ignore: tuple[str, ...], where: str) 
 
 
 def _sources(copied: Copied, text: str, what: str) -> list[Path]:
-    """What a copy source names: one path, or what its wildcard matches, inside the context
-    and not excluded by its ignore file."""
+    """What a copy source names: one path (a name that exists is itself, wildcards or not),
+    or what its wildcards match, inside the context and not excluded by its ignore file."""
     context = copied.context
-    if not glob.has_magic(text):
+    named = context / text
+    if not glob.has_magic(text) or os.path.lexists(named):
         path = _inside(context, text, what)
         if not path.exists():
             raise SpecError(f"{what} {text!r} does not exist ({path})")
         if path != context and copied.excluded(path):
             raise SpecError(f"{what} {text!r} is excluded by the ignore file")
         return [path]
-    _inside(context, os.path.dirname(text) or ".", what)
-    matches = glob.glob(text, root_dir=context, include_hidden=True)
-    found = sorted({_inside(context, m, what) for m in matches} - {context})
+    found = sorted({_inside(context, m, what) for m in _glob(context, text, what)} - {context})
     found = [p for p in found if not copied.excluded(p)]
     if not found:
         raise SpecError(f"{what} {text!r} matches nothing in {context}")
     return found
+
+
+def _glob(context: Path, pattern: str, what: str) -> list[str]:
+    """The paths under `context` that `pattern` matches, name by name as Docker matches them
+    (a `*` matches dot files too), never through a symbolic link to a directory; at most
+    MAX_MATCHES of them."""
+    parts = [part for part in pattern.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise SpecError(f"{what} {pattern!r}: a wildcard source cannot go up with '..'")
+    level = [""]
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        matched = []
+        for rel in level:
+            try:
+                entries = list(os.scandir(context / rel))
+            except OSError:
+                continue
+            for entry in entries:
+                if fnmatch.fnmatchcase(entry.name, part) and (
+                    last or entry.is_dir(follow_symlinks=False)
+                ):
+                    matched.append(f"{rel}/{entry.name}" if rel else entry.name)
+            if len(matched) > MAX_MATCHES:
+                raise SpecError(f"{what} {pattern!r} matches more than {MAX_MATCHES} paths")
+        level = matched
+    return level
