@@ -23,6 +23,8 @@ STDIN_BODY = 16 << 20  # raw input for a running process, in one call
 STDIN = re.compile(r"^/v1/sandboxes/[^/]+/processes/[^/]+/stdin$")
 BUILDS = re.compile(r"^/v1/templates/[^/]+/builds$")
 BUILD_BODY = MAX_CONTEXT_B64 + (3 << 20)  # a build's context, with its spec or Dockerfile
+E2B_UPLOAD = re.compile(r"^/e2b/templates/[^/]+/files/[^/]+$")  # a COPY step's files
+E2B_UPLOAD_BODY = 64 << 20  # as much as a build's whole context may hold unpacked
 E2B_FILES = "/e2b/envd/files"  # a multipart form is spooled to disk before it goes on
 E2B_FORM_BODY = 256 << 20  # the SDKs send large and streamed writes raw, which stream through
 E2B_INPUT = "/e2b/envd/process.Process/StreamInput"  # a terminal's keys, as long as it lasts
@@ -41,6 +43,8 @@ def cap_for(method: str, path: str, form: bool = False) -> int | None:
         return STDIN_BODY
     if method == "POST" and BUILDS.match(path):
         return BUILD_BODY
+    if method == "PUT" and E2B_UPLOAD.match(path):
+        return E2B_UPLOAD_BODY
     return JSON_BODY
 
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from space.controller.leader import Leadership, LostLeadership
 from space.controller.placement import Need, pick_worker, place
-from space.db.sealing import Sealer
+from space.db.sealing import Sealer, SealError
 from space.db.store import Conflict, NotFound, Row, Store
 from space.db.store.templates import build_context
 from space.webhooks.events import TIMED_OUT
@@ -229,7 +229,15 @@ class TemplateBuilds:
         if worker_id is None:
             return  # it waits in the queue until there is room
         w = next(w for w in workers if w["id"] == worker_id)
-        body = self._request(build)
+        try:
+            body = self._request(build)
+        except (ValueError, SealError) as e:
+            # A request no worker would take fails alone, not every build queued after it;
+            # its error does not say what it held (the credentials may be in it).
+            why = f"the build cannot be sent to a worker ({type(e).__name__})"
+            log.warning("build %s of %s: %s", build["request_id"], build["template_id"], why)
+            await self.store.fail_queued_build(build["template_id"], build["request_id"], why)
+            return
         try:
             worker = Worker(w["id"], w["url"])
             started = await self.workers.start_build(worker, build["template_id"], body)

@@ -245,6 +245,18 @@ template_builds = sa.Table(
     sa.Column("tenant_id", sa.Text),  # whose key asked (told when it ends)
 )
 
+# Files E2B's template builder uploads for its COPY steps (e2b/templates.py): asked for with
+# a token the upload's URL carries, then the gzipped tar itself.
+e2b_uploads = sa.Table(
+    "e2b_uploads",
+    metadata,
+    sa.Column("tenant_id", sa.Text, primary_key=True),
+    sa.Column("hash", sa.Text, primary_key=True),
+    sa.Column("token_sha256", sa.LargeBinary, nullable=False),
+    sa.Column("data", sa.LargeBinary),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
 # Sandboxes a worker holds that no row has ever named (db/store/strays.py).
 strays = sa.Table(
     "strays",

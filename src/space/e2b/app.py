@@ -12,7 +12,7 @@ from starlette.datastructures import State
 
 from space import tracing
 from space.api import errors
-from space.e2b import ENVD_PATH, PREFIX, forks, metrics, rest, snapshots
+from space.e2b import ENVD_PATH, PREFIX, forks, metrics, rest, snapshots, templates
 from space.e2b.envd import Envd
 from space.e2b.envd import files as envd_files
 
@@ -34,6 +34,7 @@ def create(state: State) -> FastAPI:
     app.include_router(forks.router)
     app.include_router(metrics.router)
     app.include_router(snapshots.router)
+    app.include_router(templates.router)
     app.include_router(envd_files.router)
     app.mount(ENVD_PATH.removeprefix(PREFIX), Envd(lambda: state.services))
     return app

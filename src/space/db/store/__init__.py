@@ -35,6 +35,7 @@ from space.db.store.secrets import SecretQueries
 from space.db.store.strays import StrayQueries
 from space.db.store.templates import TemplateQueries
 from space.db.store.tenants import KEY_PREFIX, TenantQueries, key_id_of
+from space.db.store.uploads import UploadQueries
 from space.db.store.usage import UsageQueries
 from space.db.store.volumes import VolumeQueries
 from space.db.store.webhooks import WebhookQueries
@@ -56,6 +57,7 @@ class Store(
     AuditQueries,
     WebhookQueries,
     UsageQueries,
+    UploadQueries,
 ):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine

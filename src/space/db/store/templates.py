@@ -17,10 +17,11 @@ from space.db.store.pools import drop_members
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A template that is one tenant's own: made of the state of `sandbox_id`, named `label`."""
+    """A template that is one tenant's own: made of the state of `sandbox_id` (or built by
+    E2B's template builder, of none), named `label`."""
 
     tenant_id: str
-    sandbox_id: str
+    sandbox_id: str | None
     label: str | None
     held_bytes: int  # what it holds: its checkpoint's size
 

@@ -468,7 +468,8 @@ async def _in_build_vm(
             if state.workdir:
                 mkdir = ["mkdir", "-p", state.workdir]
                 await _run(m, mkdir, state, index, step, log, cwd="/", as_user=False)
-            await _run(m, step.run, state, index, step, log, timeout=spec.step_timeout)
+            await _run(m, step.run, state, index, step, log, timeout=spec.step_timeout,
+                       user=step.value)  # fmt: skip
         elif step.kind == "copy":
             # Staged on disk and streamed: a copy step may bring in more than fits in memory.
             with tempfile.TemporaryDirectory(prefix=".tmp-copy-", dir=env.cache) as staging:
@@ -522,15 +523,17 @@ async def _run(
     *,
     cwd: str | None = None,
     as_user: bool = True,
+    user: str | None = None,
     timeout: float | None = None,
     input: Path | None = None,
 ) -> None:
-    """Run a command in the build VM, its output to the log; a failure raises BuildError."""
+    """Run a command in the build VM (as the current user, or `user`), its output to the log;
+    a failure raises BuildError."""
     proc = await m.agent.exec(
         cmd,
         env=state.env,
         cwd=cwd if cwd is not None else state.workdir,
-        user=state.user_arg() if as_user else None,
+        user=agent_user(user) if user else state.user_arg() if as_user else None,
         timeout=timeout,
         stdin=input is not None,
     )

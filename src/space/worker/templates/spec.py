@@ -92,11 +92,11 @@ class Step:
     chown: str | None = None  # copy: "user[:group]", names or ids, resolved in the image
     chmod: int | None = None  # copy: the mode of every file and directory it brings in
     env: dict[str, str] = field(default_factory=dict)
-    value: str | None = None  # workdir, user
+    value: str | None = None  # workdir, user; the user a run step runs as, if not the current
 
     def describe(self) -> str:
         if self.kind == "run":
-            return f"run: {self.run}"
+            return f"run: {self.run}" if self.value is None else f"run as {self.value}: {self.run}"
         if self.kind == "copy":
             how = "".join(
                 f" ({k} {v})" for k, v in (("chown", self.chown), ("chmod", self.chmod_text))
@@ -319,7 +319,12 @@ def _step(raw: Any, i: int, context: Path, ignore: tuple[str, ...], where: str) 
         raise SpecError(f"{w}: give exactly one of {', '.join(STEP_KINDS)} (got {len(kinds)})")
     kind = kinds[0]
     if kind == "run":
-        return Step("run", run=_str(raw, "run", w, required=True))
+        if not isinstance(raw["run"], dict):
+            return Step("run", run=_str(raw, "run", w, required=True))
+        # { cmd = "...", user = "root" }: this command as that user, the steps after as before
+        _keys(raw["run"], ("cmd", "user"), f"{w} run")
+        cmd, user = _str(raw["run"], "cmd", f"{w} run", True), _str(raw["run"], "user", w)
+        return Step("run", run=cmd, value=user)
     if kind in ("workdir", "user"):
         value = _str(raw, kind, w, required=True)
         assert value is not None
