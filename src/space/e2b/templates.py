@@ -144,7 +144,7 @@ async def build_status(
     )
     lines = [] if row["state"] == "queued" else await _log(svc, row)
     entries = [_entry(line) for line in lines[logs_offset : logs_offset + limit]]
-    status = {"templateID": template_id, "buildID": build_id, "status": state,
+    status: dict[str, Any] = {"templateID": template_id, "buildID": build_id, "status": state,
               "logEntries": entries, "logs": []}  # fmt: skip
     if state == "error":  # the SDK reads a reason that is there, and takes no null
         status["reason"] = {"message": row["error"] or "the build failed"}
