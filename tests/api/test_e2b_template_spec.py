@@ -95,6 +95,7 @@ def test_sources(body: dict[str, Any], source: dict[str, Any]) -> None:
     ("body", "why"),
     [
         ({"fromTemplate": "mine"}, "fromTemplate 'mine'"),
+        ({"fromImage": "Ubuntu:22.04"}, "fromImage 'Ubuntu:22.04'"),
         ({"fromTemplate": "base", "fromImage": "x"}, "not both"),
         ({"fromImageRegistry": {"type": "aws"}, "fromImage": "x"}, "type registry"),
         ({"steps": [{"type": "RUN", "args": [" "]}]}, "step 1 \\(RUN\\)"),
@@ -144,6 +145,16 @@ def test_uploaded_files_become_the_context_the_spec_copies_from(tmp_path: Path) 
 def test_files_that_cannot_be_a_context_are_refused(uploaded: dict[str, bytes], why: str) -> None:
     with pytest.raises(APIError, match=why):
         build_files(uploaded, [H])
+
+
+def test_files_uploaded_without_gzip_are_a_context_too() -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("a.txt")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"a"))
+    with tarfile.open(fileobj=io.BytesIO(build_files({H: buf.getvalue()}, [H]))) as tf:
+        assert tf.getnames() == [f"{H}/a.txt"]
 
 
 def link(name: str, target: str) -> bytes:

@@ -58,7 +58,10 @@ def test_a_template_built_by_the_sdk_runs_and_is_its_tenants_alone(
     logs: list[str] = []
     info = Template.build(template, "sdk-built", on_build_logs=lambda e: logs.append(e.message),
                           **api(platform))  # fmt: skip
-    assert info.name == "sdk-built" and info.build_id, info
+    with platform.client(platform.admin_key) as admin:  # the admin key's tenant's own
+        assert admin.get(f"/v1/templates/{info.template_id}").json()["state"] == "ready"
+    with platform.client(platform.key_b) as other:
+        assert other.get(f"/v1/templates/{info.template_id}").status_code == 404
     assert any(f"built {once}" in line for line in logs), logs
     assert Template.exists("sdk-built", **api(platform))
     assert not Template.exists("sdk-built", **api(platform, platform.key_b))
@@ -103,7 +106,7 @@ def test_builds_that_cannot_be_are_refused_with_the_reason(platform: Platform) -
     with pytest.raises(BuildException, match="admin key"):
         Template.build(Template().from_template("base"), "mine", **api(platform, platform.key_a))
     failing = Template().from_template("base").run_cmd("echo boom >&2; exit 3")
-    with pytest.raises(BuildException, match="3"):
+    with pytest.raises(BuildException, match="exit code 3"):
         Template.build(failing, "sdk-failing", **api(platform))
     with pytest.raises(BuildException, match="tags are not supported"):
         Template.build(Template().from_template("base"), "sdk-tagged:v1", **api(platform))

@@ -29,6 +29,7 @@ from pydantic import Field, model_validator
 from space.api.errors import APIError
 from space.e2b.rest import Lenient
 from space.worker.api.models import MAX_CONTEXT_B64
+from space.worker.templates.errors import TemplateError
 from space.worker.templates.registry import ImageReference, is_local_host
 from space.worker.templates.spec import MODE, OWNER
 
@@ -130,7 +131,7 @@ def _source(body: StartBuild) -> tuple[dict[str, Any], dict[str, str]]:
         return {"from": "space:base"}, {}
     try:
         host = ImageReference.parse(image).registry
-    except ValueError as e:
+    except (ValueError, TemplateError) as e:
         raise APIError(400, f"fromImage {image!r}: {e}") from None
     template: dict[str, Any] = {"from": f"oci://{image}"}
     if is_local_host(host):
@@ -192,7 +193,11 @@ def build_files(uploaded: dict[str, bytes], hashes: list[str]) -> bytes:
     budget = _Budget()
     with tarfile.open(fileobj=out, mode="w:gz", compresslevel=6) as context:
         for files_hash in sorted(set(hashes)):
-            stream = _Counted(gzip.GzipFile(fileobj=io.BytesIO(uploaded[files_hash])), budget)
+            data = uploaded[files_hash]
+            # Gzipped unless the SDK was told `gzip=False`.
+            raw = io.BytesIO(data)
+            stream = _Counted(gzip.GzipFile(fileobj=raw) if data[:2] == b"\x1f\x8b" else raw,
+                              budget)  # fmt: skip
             try:
                 with tarfile.open(fileobj=stream, mode="r|") as tf:
                     for member in tf:
@@ -217,7 +222,7 @@ class _Budget:
 class _Counted(io.RawIOBase):
     """A stream that refuses to give more than the budget's bytes, all streams together."""
 
-    def __init__(self, inner: gzip.GzipFile, budget: _Budget) -> None:
+    def __init__(self, inner: gzip.GzipFile | io.BytesIO, budget: _Budget) -> None:
         self.inner, self.budget = inner, budget
 
     def readable(self) -> bool:

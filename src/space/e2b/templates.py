@@ -36,6 +36,7 @@ router = APIRouter(tags=["e2b"])
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,51}$")  # with the tenant's tag, a template name
 LOG_WAIT_S = 0.3  # a status poll reads the log its worker has, for this long at most
+LOG_DONE_S = 10.0  # and an ended build's whole log
 MAX_LOG_LINES = 100
 
 
@@ -168,9 +169,11 @@ async def _log(svc: Svc, row: Row) -> list[str]:
     if row["build_id"] is None or worker is None or worker["state"] != "active":
         return []
     text = b""
-    deadline = time.monotonic() + LOG_WAIT_S
+    # A build under way is read for what its worker has now; an ended one's log ends by itself.
+    wait = LOG_WAIT_S if row["state"] == "building" else LOG_DONE_S
     with contextlib.suppress(Exception):  # a log that cannot be read is an empty one
         async with svc.workers.build_log(Worker(worker["id"], worker["url"]), row["build_id"]) as r:
+            deadline = time.monotonic() + wait  # from the answer: opening it is not reading it
             chunks = r.aiter_bytes()
             while (left := deadline - time.monotonic()) > 0:
                 try:
