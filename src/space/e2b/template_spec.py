@@ -23,19 +23,17 @@ import re
 import tarfile
 from typing import Any
 
-import tomli_w
 from pydantic import Field, model_validator
 
 from space.api.errors import APIError
 from space.e2b.rest import Lenient
 from space.worker.api.models import MAX_CONTEXT_B64
-from space.worker.templates.errors import TemplateError
+from space.worker.templates.errors import SpecError, TemplateError
 from space.worker.templates.registry import ImageReference, is_local_host
-from space.worker.templates.spec import MODE, OWNER
+from space.worker.templates.spec import MODE, OWNER, image_path, spec_text
 
 FILES_HASH = re.compile(r"^[0-9a-f]{64}$")
 MAX_STEPS = 256
-MAX_SPEC_BYTES = 1 << 20  # what a worker takes
 MAX_CONTEXT_BYTES = 64 << 20  # what a build's uploaded files may hold, unpacked (headers too)
 MAX_CONTEXT_MEMBERS = 100_000
 MAX_CREDENTIAL = 32768  # a value of a build's environment, as a worker takes it
@@ -111,10 +109,10 @@ def steps_spec(template_id: str, body: StartBuild) -> tuple[str, dict[str, str]]
                 steps.append({"user": args[0]})
         else:
             raise bad("SPACE builds RUN, COPY, ENV, WORKDIR and USER steps")
-    spec = tomli_w.dumps({"template": template, "steps": steps})
-    if len(spec.encode()) > MAX_SPEC_BYTES:
-        raise APIError(400, f"the steps make a spec larger than {MAX_SPEC_BYTES} bytes")
-    return spec, environ
+    try:
+        return spec_text(template, steps, "the build's steps"), environ
+    except SpecError as e:
+        raise APIError(400, str(e)) from None
 
 
 def _source(body: StartBuild) -> tuple[dict[str, Any], dict[str, str]]:
@@ -154,8 +152,7 @@ def _absolute(workdir: str | None, path: str, bad: Any) -> str:
     """`path` in the image: a relative one under the working directory a WORKDIR step set."""
     if not path.startswith("/") and workdir is None:
         raise bad(f"{path!r} is relative: give a WORKDIR step before it, or an absolute path")
-    joined = posixpath.normpath(posixpath.join(workdir or "/", path))
-    return f"{joined.rstrip('/')}/" if path.endswith("/") else joined
+    return image_path(workdir or "/", path, directory=path.endswith("/"))
 
 
 def _copy(step: BuildStep, workdir: str | None, bad: Any) -> dict[str, Any]:

@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import tomli_w
 from e2b_dockerfile_utils import (
     DockerfileInstruction,
     DockerfileSyntaxError,
@@ -38,11 +37,10 @@ from e2b_dockerfile_utils import (
 )
 
 from space.worker.templates.errors import SpecError
-from space.worker.templates.spec import MODE, OWNER
+from space.worker.templates.spec import MODE, OWNER, image_path, spec_text
 
 IGNORE_FILE = ".dockerignore"
 MAX_DOCKERFILE_BYTES = 1 << 20
-MAX_SPEC_BYTES = 1 << 20  # what a spec may be (`$A$A` doubles a value at each line)
 MAX_VALUE_BYTES = 64 << 10  # an expanded value
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://|^git@", re.IGNORECASE)
 _ARCHIVE = re.compile(r"\.(tar|tar\.gz|tgz|tar\.bz2|tbz2?|tar\.xz|txz|tar\.zst)$", re.IGNORECASE)
@@ -115,11 +113,8 @@ def dockerfile_spec(
         template["start"] = start
     if build.ready:
         template["ready"] = build.ready
-    spec = tomli_w.dumps({"template": template, "steps": build.steps})
-    if len(spec.encode()) > MAX_SPEC_BYTES:
-        raise DockerfileError(f"Dockerfile: the spec it makes is larger than {MAX_SPEC_BYTES} "
-                              "bytes (its build arguments are repeated at every RUN)")  # fmt: skip
-    return spec
+    # Its build arguments are repeated at every RUN: that is what makes a spec grow.
+    return spec_text(template, build.steps, "the Dockerfile (its ARGs at every RUN)")
 
 
 def _instruction(b: _Build, ins: DockerfileInstruction) -> None:
@@ -153,7 +148,7 @@ def _instruction(b: _Build, ins: DockerfileInstruction) -> None:
     elif kind == "ENV":
         _env(b, ins, refuse)
     elif kind == "WORKDIR":
-        b.workdir = _path(b.workdir, b.expand(_one(ins, refuse), line))
+        b.workdir = image_path(b.workdir, b.expand(_one(ins, refuse), line))
         b.steps.append({"workdir": b.workdir})
     elif kind == "USER":
         b.steps.append({"user": b.expand(_one(ins, refuse), line)})
@@ -258,7 +253,7 @@ def _copy(b: _Build, ins: DockerfileInstruction, flags: dict[str, str], refuse: 
         srcs[i] = posixpath.normpath(src.lstrip("/") or ".")
         if srcs[i] == ".." or srcs[i].startswith("../"):
             raise refuse(f"{src}: a source outside the build context")
-    dst = _path(b.workdir, dst, directory=dst.endswith("/") or dst in (".", ".."))
+    dst = image_path(b.workdir, dst, directory=dst.endswith("/") or dst in (".", ".."))
     step: dict[str, Any] = {"src": srcs[0] if len(srcs) == 1 else srcs, "dst": dst}
     for key, form in (("chown", OWNER), ("chmod", MODE)):
         if key in flags:
@@ -277,13 +272,6 @@ def _healthcheck(b: _Build, ins: DockerfileInstruction, refuse: Any) -> None:
     if ins.args[0].upper() != "CMD" or len(ins.args) < 2:
         raise refuse("takes NONE or CMD and a command")
     b.ready = _command(ins.args[1:], ins.json)
-
-
-def _path(workdir: str, path: str, directory: bool = False) -> str:
-    """`path` in the image, relative ones under the working directory; a directory's ends
-    with / (a copy step's way of saying "into")."""
-    path = posixpath.normpath(posixpath.join(workdir, path))
-    return f"{path.rstrip('/')}/" if directory else path
 
 
 def _command(words: list[str], exec_form: bool) -> str:

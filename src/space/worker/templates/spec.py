@@ -33,6 +33,7 @@ import fnmatch
 import functools
 import glob
 import os
+import posixpath
 import re
 import tomllib
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 from e2b_dockerfile_utils import PatternMatcher
 
 from space.worker.templates.errors import SpecError
@@ -51,6 +53,7 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 OWNER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?$")
 MODE = re.compile(r"^0?[0-7]{3,4}$")
+MAX_SPEC_BYTES = 1 << 20  # what a worker takes
 MAX_IGNORE_BYTES = 1 << 20
 MAX_IGNORE_PATTERNS = 1000
 MAX_PATTERN_CHARS = 256
@@ -154,6 +157,22 @@ class TemplateSpec:
             )
         assert self.password_env is not None
         return Credentials(env[self.username_env], env[self.password_env])
+
+
+def spec_text(template: Mapping[str, Any], steps: list[dict[str, Any]], made_of: str) -> str:
+    """A spec's text, as other front ends (a Dockerfile, E2B's steps) make one; `made_of`
+    names what it was made of for the error of one too large for a worker."""
+    text = tomli_w.dumps({"template": template, "steps": steps})
+    if len(text.encode()) > MAX_SPEC_BYTES:
+        raise SpecError(f"{made_of} makes a spec larger than {MAX_SPEC_BYTES} bytes")
+    return text
+
+
+def image_path(workdir: str, path: str, directory: bool = False) -> str:
+    """`path` in the image, a relative one under `workdir`; a directory's ends with / (a copy
+    step's way of saying "into")."""
+    joined = posixpath.normpath(posixpath.join(workdir, path))
+    return f"{joined.rstrip('/')}/" if directory else joined
 
 
 def load_spec(path: Path) -> TemplateSpec:
