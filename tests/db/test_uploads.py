@@ -19,12 +19,15 @@ async def test_an_upload_takes_its_token_lands_once_and_stays_its_tenants(store:
     assert token is not None
     again = await store.want_upload(a.id, H1)  # asked again: only the newest token uploads
     assert again is not None and again != token
+    assert await store.upload_owner(H1, token) is None
+    assert await store.upload_owner(H1, again) == a.id
     with pytest.raises(Refused) as refused:
-        await store.put_upload(H1, token, b"old token")
+        await store.put_upload(a.id, H1, token, b"old token")
     assert refused.value.status == 403
-    await store.put_upload(H1, again, b"the files")
+    await store.put_upload(a.id, H1, again, b"the files")
+    assert await store.upload_owner(H1, again) is None  # it came: the token asks for nothing
     with pytest.raises(Refused):
-        await store.put_upload(H1, again, b"a second time")
+        await store.put_upload(a.id, H1, again, b"a second time")
     assert await store.want_upload(a.id, H1) is None  # here: nothing to upload
     assert await store.uploads(a.id, [H1, H2]) == {H1: b"the files"}
     assert await store.uploads(b.id, [H1]) == {}  # another tenant's hash is not its files
@@ -38,9 +41,9 @@ async def test_a_tenants_uploads_are_bounded_and_forgotten_after_a_day(
     monkeypatch.setattr(u, "TENANT_UPLOAD_BYTES", 10)
     first, second = await store.want_upload(a.id, H1), await store.want_upload(a.id, H2)
     assert first is not None and second is not None
-    await store.put_upload(H1, first, b"123456")
+    await store.put_upload(a.id, H1, first, b"123456")
     with pytest.raises(Refused) as refused:
-        await store.put_upload(H2, second, b"123456")
+        await store.put_upload(a.id, H2, second, b"123456")
     assert refused.value.status == 413
     async with store.engine.begin() as c:
         await c.execute(t.e2b_uploads.update().values(created_at=sa.func.now() - sa.text(

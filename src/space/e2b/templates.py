@@ -98,9 +98,10 @@ async def upload(
     (the API caps its size)."""
     if not FILES_HASH.fullmatch(files_hash):
         raise APIError(400, "a files hash is 64 lower-case hex digits")
-    if not await svc.store.upload_wanted(files_hash, token):
+    tenant_id = await svc.store.upload_owner(files_hash, token)
+    if tenant_id is None:
         raise APIError(403, f"no upload of {files_hash} is asked for with this URL")
-    await svc.store.put_upload(files_hash, token, await request.body())
+    await svc.store.put_upload(tenant_id, files_hash, token, await request.body())
     return Response(status_code=201)
 
 

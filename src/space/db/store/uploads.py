@@ -51,25 +51,20 @@ class UploadQueries(Queries):
             wanted = (await c.execute(q)).first() is not None
         return token if wanted else None
 
-    async def upload_wanted(self, file_hash: str, token: str) -> bool:
-        """Whether a token asks for the upload of that hash (and it has not come yet)."""
+    async def upload_owner(self, file_hash: str, token: str) -> str | None:
+        """The tenant whose upload of that hash a token asks for, if it has not come yet."""
         u = t.e2b_uploads.c
-        q = sa.select(u.hash).where(
+        q = sa.select(u.tenant_id).where(
             u.hash == file_hash, u.token_sha256 == _sha(token), u.data.is_(None)
         )
         async with self.engine.connect() as c:
-            return (await c.execute(q)).first() is not None
+            return await c.scalar(q)
 
-    async def put_upload(self, file_hash: str, token: str, data: bytes) -> None:
-        """Keep the file a token asked for; Refused for another token, a file already here or
-        one past its tenant's room."""
+    async def put_upload(self, tenant_id: str, file_hash: str, token: str, data: bytes) -> None:
+        """Keep the file a token asked for (`upload_owner` says whose); Refused for another
+        token, a file already here or one past the tenant's room."""
         u = t.e2b_uploads.c
         async with self.engine.begin() as c:
-            tenant_id = await c.scalar(
-                sa.select(u.tenant_id).where(u.hash == file_hash, u.token_sha256 == _sha(token))
-            )
-            if tenant_id is None:
-                raise Refused(403, f"no upload of {file_hash} is asked for with this URL")
             await lock_for(c, tenant_id, None)  # one upload of a tenant at a time: its room
             held = await c.scalar(
                 sa.select(sa.func.coalesce(sa.func.sum(sa.func.octet_length(u.data)), 0))

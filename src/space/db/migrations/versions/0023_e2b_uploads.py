@@ -1,6 +1,6 @@
 """Files E2B's template builder uploads for its COPY steps before it starts a build: each a
-gzipped tar, kept by its tenant and the SDK's hash of it until a build takes it in (or a day
-passes).
+tar, kept by its tenant and the SDK's hash of it for a day (later builds of the same files
+find them here).
 
 Revision ID: 0023
 """
