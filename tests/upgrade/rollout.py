@@ -73,8 +73,9 @@ class Round:
 @dataclass
 class Traffic:
     """An agent's loop, on a thread: create a sandbox, run a command in it, delete it, again.
-    Its connections are not kept alive, and a connect that is refused is tried again (what a
-    client behind a load balancer sees of one API replica going away)."""
+    Its connections are kept alive between requests, as the SDKs' are, and a connect that is
+    refused is tried again (what a client behind a load balancer sees of one API replica going
+    away)."""
 
     api_url: str
     key: str
@@ -114,7 +115,7 @@ class Traffic:
         transport = httpx.HTTPTransport(retries=CONNECT_RETRIES)
         with httpx.Client(
             base_url=self.api_url, headers={"Authorization": f"Bearer {self.key}"}, timeout=120,
-            transport=transport, limits=httpx.Limits(max_keepalive_connections=0),
+            transport=transport,
         ) as c:  # fmt: skip
             while not self._stop.is_set():
                 r = Round(self.step, time.monotonic())
