@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
 from space.db import migrate
 from space.db.store import connect
@@ -61,3 +62,41 @@ async def test_a_schema_a_later_release_migrated_is_left_as_it_is(database: str)
         await engine.dispose()
     run = await asyncio.to_thread(space, "admin", "migrate", env={"SPACE_DATABASE_URL": url})
     assert run.stdout.strip() == "9001" and "does not know" in run.stderr, run
+
+
+async def test_an_upgrade_under_traffic_gives_way_to_the_requests_it_deadlocks_with(
+    database: str,
+) -> None:
+    """A rollout's migrations lock table after table while requests run: when a request holds
+    a table the upgrade wants and waits for one the upgrade holds, the upgrade gives way and
+    is tried again; the request goes through."""
+    url = await new_database(database, "busy")
+    engine = connect(url)
+    try:
+        async with engine.begin() as conn:  # the schema of a release before 0018
+            await conn.run_sync(lambda c: command.upgrade(migrate._config(c), "0017"))
+        async with engine.connect() as request:
+            await request.begin()
+            await request.exec_driver_sql("SELECT count(*) FROM templates")  # holds templates
+            upgrading = asyncio.ensure_future(migrate.upgrade(engine))
+            # The upgrade took sandboxes (0018) and waits for templates (0021)...
+            async with engine.connect() as look:
+                for _ in range(200):
+                    waiting = await look.scalar(text(
+                        "SELECT count(*) FROM pg_locks WHERE NOT granted "
+                        "AND relation = 'templates'::regclass"
+                    ))  # fmt: skip
+                    if waiting:
+                        break
+                    await asyncio.sleep(0.05)
+                assert waiting, "the upgrade never waited for the table the request holds"
+            # ...which the request now wants too: each waits for the other.
+            assert await request.scalar(text("SELECT count(*) FROM sandboxes")) == 0
+            await request.commit()
+        await asyncio.wait_for(upgrading, 60)
+        assert (
+            await migrate.revision(engine)
+            == ScriptDirectory(str(migrate.MIGRATIONS)).get_current_head()
+        )
+    finally:
+        await engine.dispose()

@@ -2,11 +2,21 @@
 
 A database a later release already migrated is left as it is: that release's migrations only
 add what this one may ignore (expand, then contract: docs/upgrading.md), so this release runs
-on it, and a rollback can start the previous release's services again."""
+on it, and a rollback can start the previous release's services again.
+
+A rollout migrates under live traffic, and the migrations, run in one transaction, take their
+tables' locks one after another. The upgrade waits at most LOCK_WAIT for each: no request
+queues behind it for longer, and when it and a request wait on each other it gives up first
+(PostgreSQL looks for deadlocks after 1 s, and the one who looks gives up), so the request goes
+on. It is then tried again, whole, until RETRY_FOR_S have passed."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
+import random
+import time
 from pathlib import Path
 
 from alembic import command
@@ -14,12 +24,17 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 LOCK_KEY = 0x5350_4143  # serialises concurrent upgrades (several processes starting at once)
+LOCK_WAIT = "500ms"  # under PostgreSQL's default deadlock_timeout (1 s)
+RETRY_FOR_S = 120.0
+# lock_not_available (lock_timeout) and deadlock_detected: another try may go through.
+BUSY = {"55P03", "40P01"}
 
 
 def _config(connection: Connection) -> Config:
@@ -33,6 +48,8 @@ def _upgrade(connection: Connection) -> str | None:
     """Upgrades to this release's newest revision; or, when the database is at a revision this
     release does not know, leaves it and returns that revision."""
     connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})")
+    # After the advisory lock: another process's upgrade is waited for however long it takes.
+    connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
     cfg = _config(connection)
     current = MigrationContext.configure(connection).get_current_revision()
     known = {script.revision for script in ScriptDirectory.from_config(cfg).walk_revisions()}
@@ -43,8 +60,19 @@ def _upgrade(connection: Connection) -> str | None:
 
 
 async def upgrade(engine: AsyncEngine) -> None:
-    async with engine.begin() as conn:
-        newer = await conn.run_sync(_upgrade)
+    deadline = time.monotonic() + RETRY_FOR_S
+    for attempt in itertools.count():
+        try:
+            async with engine.begin() as conn:
+                newer = await conn.run_sync(_upgrade)
+            break
+        except DBAPIError as e:
+            if getattr(e.orig, "sqlstate", None) not in BUSY or time.monotonic() > deadline:
+                raise
+            pause = min(5.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0)
+            log.warning("the schema upgrade gave way to requests holding its tables (%s); "
+                        "trying again in %.1f s", e.orig, pause)  # fmt: skip
+            await asyncio.sleep(pause)
     if newer is not None:
         log.warning(
             "the database's schema is at revision %s, which this release does not know: a "
