@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from space.worker.storage import reflink
 from space.worker.storage.pool import Pool, ensure_pool
 from space.worker.storage.reflink import clone_file
 
@@ -72,3 +73,22 @@ def test_100_clones_of_a_1gib_template_cost_under_a_tenth_more(pool_dir: Path) -
         assert digest(other, 512 << 20, 1 << 20) == before
     written = btrfs_du(disks / "sb7.img")
     assert (1 << 20) <= written["exclusive"] <= (2 << 20), written
+
+
+def test_a_file_from_another_file_system_is_copied_with_no_warning_about_the_pool(
+    pool_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An image entering the pool from a cache on another file system is copied (a reflink
+    cannot cross file systems); the pool clones well, and the log does not say otherwise."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "cache", str(tmp_path)], check=True)
+    try:
+        source, data = tmp_path / "image.img", os.urandom(1 << 20)
+        source.write_bytes(data)
+        with caplog.at_level("INFO", logger=reflink.__name__):
+            assert clone_file(source, pool_dir / "image.img") is False  # copied
+            assert clone_file(pool_dir / "image.img", pool_dir / "clone.img") is True
+    finally:
+        subprocess.run(["umount", str(tmp_path)], check=True)
+    assert (pool_dir / "image.img").read_bytes() == (pool_dir / "clone.img").read_bytes() == data
+    (record,) = caplog.records
+    assert record.levelname == "INFO" and "cannot cross file systems" in record.message

@@ -18,7 +18,10 @@ _NO_REFLINK = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.
 
 
 class ReflinkUnsupported(OSError):
-    pass
+    @property
+    def across(self) -> bool:
+        """The source is on another file system: the destination's may well clone."""
+        return self.errno == errno.EXDEV
 
 
 def reflink(src: Path, dst: Path) -> None:
@@ -41,13 +44,16 @@ def clone_file(src: Path, dst: Path) -> bool:
     try:
         reflink(src, dst)
         return True
-    except ReflinkUnsupported:
-        log.warning(
-            "%s does not support reflinks: copying %s in full (slow, and uses real disk space); "
-            "put the worker's pool on btrfs or XFS with reflink",
-            dst.parent,
-            src,
-        )
+    except ReflinkUnsupported as e:
+        if e.across:  # an image entering the pool from a cache elsewhere, say: once per image
+            log.info("copying %s into %s in full: a reflink cannot cross file systems", src, dst)
+        else:
+            log.warning(
+                "%s does not support reflinks: copying %s in full (slow, and uses real disk "
+                "space); put the worker's pool on btrfs or XFS with reflink",
+                dst.parent,
+                src,
+            )
     if shutil.which("cp") is None:
         raise OSError(f"cannot copy {src}: no cp")
     # cp keeps holes, so a sparse image stays sparse.
