@@ -256,6 +256,26 @@ async def test_a_flood_of_output_is_cut_at_the_cap_and_memory_stays_bounded(
     await no_markers(guest)
 
 
+async def test_a_frozen_root_fs_holds_every_write_until_it_is_thawed(guest: Guest) -> None:
+    """What a build does between two steps in one VM, while it copies the disk."""
+    a = guest.machine.agent
+    assert await a.thaw_root_fs() is False  # it was not frozen
+    await a.write_file("/root/freed", os.urandom(8 << 20))
+    await a.remove("/root/freed")
+    trimmed = await a.freeze_root_fs()
+    assert trimmed is not None and trimmed >= 8 << 20
+    # A process's write (the agent's own file calls write on its event loop: none is made).
+    writer = asyncio.ensure_future(a.run(["/usr/bin/dash", "-c", "echo held > /root/held"]))
+    try:
+        await asyncio.sleep(2)
+        assert not writer.done(), await writer  # held by the freeze
+    finally:
+        assert await a.thaw_root_fs() is True
+    result = await asyncio.wait_for(writer, 60)
+    assert result.exit_code == 0 and await a.read_file("/root/held") == b"held\n"
+    await no_markers(guest)
+
+
 async def test_sealing_the_root_fs_trims_flushes_and_ends_writes(guest: Guest) -> None:
     """The last test here: the guest's root is read-only after it (as a finished build's)."""
     a = guest.machine.agent

@@ -249,6 +249,8 @@ class Agent:
             "unmount": self.in_vm_only(storage.unmount),
             "grow_root_fs": self.in_vm_only(storage.grow_root_fs),
             "seal_root_fs": self.in_vm_only(storage.seal_root_fs),
+            "freeze_root_fs": self.in_vm_only(storage.freeze_root_fs),
+            "thaw_root_fs": self.in_vm_only(storage.thaw_root_fs),
             "install_ca": self.in_vm_only(trust.install_ca),
             "tcp_connect": tcp.tcp_connect,
         }

@@ -69,6 +69,9 @@ calls (never a program of the guest's, which the tenant may have replaced; see `
         EXT4_IOC_RESIZE_FS of / to its disk's size, once the disk is at least min_size bytes
   seal_root_fs {trim? (true)}         → {trimmed_bytes, read_only}: FITRIM of / (best effort),
         syncfs, remount / read-only (best effort: false if something holds a file open), sync
+  freeze_root_fs {trim? (true)}       → {trimmed_bytes}: FITRIM of / (best effort), then FIFREEZE:
+        / flushed with an empty journal, its writes held (a build step's disk copied meanwhile)
+  thaw_root_fs {}                    → {thawed}: FITHAW of / (false: it was not frozen)
   install_ca {pem}                   → {ca, bundle, bundle_size, system_bundle}:
         /etc/space/ca.pem and ca-bundle.pem (the system bundle, then the CA), atomic, root 0644
   tcp_connect {port, host? (127.0.0.1; an address of the guest), timeout?}

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 MS_RDONLY = 0x1
 MS_REMOUNT = 0x20
 FITRIM = 0xC0185879  # _IOWR('X', 121, struct fstrim_range): discard a file system's free blocks
+FIFREEZE = 0xC0045877  # _IOWR('X', 119, int): flush a file system, empty its journal, hold writes
+FITHAW = 0xC0045878  # _IOWR('X', 120, int): let them go
 UMOUNT_NOFOLLOW = 0x8
 EXT4_IOC_RESIZE_FS = 0x40086610  # _IOW('f', 16, __u64): grow a mounted ext4 to n blocks
 SECTOR = 512
@@ -317,20 +319,29 @@ async def seal_root_fs(conn: Connection, channel: int, req: Json) -> Json:
     """Leave the root file system small and clean before the VM stops (a template build):
     its free blocks discarded (with `trim`), everything flushed, then remounted read-only so it
     needs no journal replay. Best effort past the flush: the reply says what was done."""
+    return await blocking(_seal_root, _trim_arg(req))
+
+
+def _trim_arg(req: Json) -> bool:
     trim = req.get("trim", True)
     if not isinstance(trim, bool):
         raise OpError(p.ErrorCode.INVALID, "'trim' must be true or false")
-    return await blocking(_seal_root, trim)
+    return trim
+
+
+def _trim(fd: int) -> int | None:
+    """Discard the free blocks of the file system of `fd`; how many bytes, or None where the
+    disk cannot discard."""
+    with contextlib.suppress(OSError):
+        out = fcntl.ioctl(fd, FITRIM, struct.pack("=QQQ", 0, 2**64 - 1, 0))
+        return int(struct.unpack("=QQQ", out)[1])
+    return None
 
 
 def _seal_root(trim: bool) -> Json:
-    trimmed: int | None = None
     fd = _open_dir("/")
     try:
-        if trim:
-            with contextlib.suppress(OSError):  # a disk without discard support
-                out = fcntl.ioctl(fd, FITRIM, struct.pack("=QQQ", 0, 2**64 - 1, 0))
-                trimmed = struct.unpack("=QQQ", out)[1]
+        trimmed = _trim(fd) if trim else None
         system.syncfs(fd)
     finally:
         os.close(fd)
@@ -341,3 +352,41 @@ def _seal_root(trim: bool) -> Json:
         read_only = False
     os.sync()
     return {"trimmed_bytes": trimmed, "read_only": read_only}
+
+
+async def freeze_root_fs(conn: Connection, channel: int, req: Json) -> Json:
+    """Hold the root file system still and clean while the host copies its disk (a build step
+    kept while its VM goes on to the next): its free blocks discarded (with `trim`), then
+    frozen: flushed, its journal emptied, every write held until thaw_root_fs."""
+    return await blocking(_freeze_root, _trim_arg(req))
+
+
+def _freeze_root(trim: bool) -> Json:
+    fd = _open_dir("/")
+    try:
+        trimmed = _trim(fd) if trim else None
+        try:
+            fcntl.ioctl(fd, FIFREEZE, 0)
+        except OSError as e:
+            raise os_error(e, "freezing /") from None
+    finally:
+        os.close(fd)
+    return {"trimmed_bytes": trimmed}
+
+
+async def thaw_root_fs(conn: Connection, channel: int, req: Json) -> Json:
+    """Let the writes freeze_root_fs held go; `thawed` is false if / was not frozen."""
+    return await blocking(_thaw_root)
+
+
+def _thaw_root() -> Json:
+    fd = _open_dir("/")
+    try:
+        fcntl.ioctl(fd, FITHAW, 0)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise os_error(e, "thawing /") from None
+        return {"thawed": False}
+    finally:
+        os.close(fd)
+    return {"thawed": True}

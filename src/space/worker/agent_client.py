@@ -8,7 +8,8 @@ The guest belongs to the tenant, who is root there, so its agent may be hostile:
 a deadline (`AgentTimeout`), `run` keeps at most `max_output` bytes of each stream, `read_file`
 at most `max_bytes`, a listing at most `limit` entries. Platform duties never run a program of
 the guest's: they are the agent's built-in calls (`sync`, `mount_volumes`, `unmount`,
-`grow_root_fs`, `seal_root_fs`, `install_ca`, `tcp_connect`).
+`grow_root_fs`, `seal_root_fs`, `freeze_root_fs`, `thaw_root_fs`, `install_ca`,
+`tcp_connect`).
 """
 
 from __future__ import annotations
@@ -358,6 +359,18 @@ class AgentClient(AgentConnection):
         it and remount it read-only (so it needs no journal replay), all best effort past the
         flush, which always happens."""
         return plat.root_fs_sealed(await self.call("seal_root_fs", trim=trim, deadline=deadline))
+
+    async def freeze_root_fs(
+        self, *, trim: bool = True, deadline: float = GROW_DEADLINE_S
+    ) -> int | None:
+        """Hold the root file system still and clean (FIFREEZE) while its disk is copied, its
+        free blocks discarded first (`trim`); how many bytes those were, None where the disk
+        cannot discard. Every write in the guest waits for `thaw_root_fs`."""
+        return plat.root_fs_frozen(await self.call("freeze_root_fs", trim=trim, deadline=deadline))
+
+    async def thaw_root_fs(self, *, deadline: float = CALL_DEADLINE_S) -> bool:
+        """Let the guest's writes go again; False if the root was not frozen."""
+        return plat.root_fs_thawed(await self.call("thaw_root_fs", deadline=deadline))
 
     async def install_ca(self, pem: bytes, *, deadline: float = CALL_DEADLINE_S) -> CAInstall:
         """Make `pem` the guest's /etc/space/ca.pem and /etc/space/ca-bundle.pem the system's

@@ -122,6 +122,14 @@ def root_fs_sealed(body: dict[str, Any]) -> RootFsSealed:
     )
 
 
+def root_fs_frozen(body: dict[str, Any]) -> int | None:
+    return None if body.get("trimmed_bytes") is None else field(body, "trimmed_bytes", int)
+
+
+def root_fs_thawed(body: dict[str, Any]) -> bool:
+    return field(body, "thawed", bool)
+
+
 def ca_install(body: dict[str, Any]) -> CAInstall:
     return CAInstall(
         ca_path=field(body, "ca", str),

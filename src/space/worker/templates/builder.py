@@ -3,9 +3,12 @@
 Every stage is a cache entry `<root>/template-cache/<key>/rootfs.ext4`, where the key chains a
 hash over the source's digest and every step so far (with the contents of the files a `copy`
 brings in). A step whose key is cached is not run: its disk is taken as it is, so changing step 5
-of 8 runs steps 5-8 only. A step that changes the disk boots a VM on a reflink of the previous
-disk, runs, powers the VM off and keeps that disk (a reflink again) as its own entry; `env` and
-`user` only change how later processes run, and need no VM.
+of 8 runs steps 5-8 only. The steps that change the disk run in one build VM, booted on a
+reflink of the last cached disk: after each, the guest's root is frozen (flushed, its journal
+empty) while its disk is kept as the step's entry (a reflink again), then thawed for the next;
+after the last, it is sealed (read-only) and the VM stops. `env` and `user` only change how
+later processes run, and need no VM. What a step leaves running or in a tmpfs (/run) is seen
+by the steps after it in that VM, and by none that a later build runs from the cache.
 
 The finished template is `<root>/templates/<name>/<digest>/` (rootfs.ext4 + template.json),
 made in a temporary directory and renamed into place; a failed or cancelled build removes its
@@ -215,29 +218,37 @@ async def build_template(
         disk = await _source_stage(source, spec, env, cache, key, log)
     state = _State(dict(source.config.env), source.config.workdir, source.config.user)
 
-    for i, step in enumerate(spec.steps, 1):
-        desc = step.describe()
-        state.descriptions.append(desc)
-        identity = step.identity()
-        if step.kind == "copy":
-            assert step.copied is not None
-            identity["content"] = await asyncio.to_thread(_copy_digest, step)
-        key = _chain(key, identity)
-        if step.kind in METADATA_KINDS:
-            _apply_metadata(step, state)
-            log(f"step {i}: {desc}")
-            continue
-        cached = cache.get(key)
-        if cached is not None:
-            log(f"step {i}: cached ({desc})")
-            disk = cached
-        else:
-            log(f"step {i}: {desc}")
-            t = time.monotonic()
-            disk = await _vm_step(env, spec, disk, step, i, state, cache, key, log)
-            log(f"step {i}: done in {time.monotonic() - t:.1f} s")
-        if step.kind == "workdir":
-            state.workdir = step.value
+    disk_steps = [i for i, step in enumerate(spec.steps, 1) if step.kind not in METADATA_KINDS]
+    async with contextlib.AsyncExitStack() as stack:
+        vm: Machine | None = None  # booted for the first step not cached, kept to the last
+        for i, step in enumerate(spec.steps, 1):
+            desc = step.describe()
+            state.descriptions.append(desc)
+            identity = step.identity()
+            if step.kind == "copy":
+                assert step.copied is not None
+                identity["content"] = await asyncio.to_thread(_copy_digest, step)
+            key = _chain(key, identity)
+            if step.kind in METADATA_KINDS:
+                _apply_metadata(step, state)
+                log(f"step {i}: {desc}")
+                continue
+            # Keys chain: once a step has run, no later one can be cached (another build of the
+            # same steps at once publishes the same entries, and the first kept wins).
+            cached = cache.get(key) if vm is None else None
+            if cached is not None:
+                log(f"step {i}: cached ({desc})")
+                disk = cached
+            else:
+                log(f"step {i}: {desc}")
+                t = time.monotonic()
+                if vm is None:
+                    vm = await stack.enter_async_context(_build_vm(env, spec, disk, log))
+                last = i == disk_steps[-1]
+                disk = await _vm_step(vm, env, spec, step, i, state, cache, key, log, last=last)
+                log(f"step {i}: done in {time.monotonic() - t:.1f} s")
+            if step.kind == "workdir":
+                state.workdir = step.value
 
     config = {
         "env": state.env,
@@ -395,17 +406,12 @@ def _copy_tar(step: Step, out: Path) -> str:
     return dest
 
 
-async def _vm_step(
-    env: BuildEnv,
-    spec: TemplateSpec,
-    disk: Path,
-    step: Step,
-    index: int,
-    state: _State,
-    cache: _Cache,
-    key: str,
-    log: Log,
-) -> Path:
+@contextlib.asynccontextmanager
+async def _build_vm(
+    env: BuildEnv, spec: TemplateSpec, disk: Path, log: Log
+) -> AsyncIterator[Machine]:
+    """A build VM on a reflink of `disk`, with its network: the disk steps of a build run in it
+    one after another, as long as the block lasts."""
     images = BootImages(kernel=env.kernel, initrd=env.initrd, rootfs=disk)
     t0 = time.monotonic()
     vm_id = f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -422,8 +428,11 @@ async def _vm_step(
             tap_fd=tap_fd,
             guest_mac=GUEST_MAC if tap_fd is not None else None,
         )
-        t1 = time.monotonic()
-        return await _in_build_vm(m, env, spec, step, index, state, cache, key, log, t0, t1)
+        try:
+            log(f"  build VM: booted in {time.monotonic() - t0:.1f} s")
+            yield m
+        finally:
+            await m.close()
 
 
 @contextlib.asynccontextmanager
@@ -444,7 +453,7 @@ async def _build_network(env: BuildEnv, vm_id: str) -> AsyncIterator[int | None]
         await env.egress.detach(vm_id)
 
 
-async def _in_build_vm(
+async def _vm_step(
     m: Machine,
     env: BuildEnv,
     spec: TemplateSpec,
@@ -454,51 +463,54 @@ async def _in_build_vm(
     cache: _Cache,
     key: str,
     log: Log,
-    t0: float,
-    t1: float,
+    *,
+    last: bool,
 ) -> Path:
+    """Run `step` in the build VM and keep its disk as the cache entry `key`: frozen while it
+    is copied, the VM going on to the next step; sealed and stopped after the `last`."""
+    t1 = time.monotonic()
+    if step.kind == "workdir":
+        assert step.value is not None
+        await _run(m, ["mkdir", "-p", step.value], state, index, step, log, cwd="/", as_user=False)
+    elif step.kind == "run":
+        assert step.run is not None
+        if state.workdir:
+            mkdir = ["mkdir", "-p", state.workdir]
+            await _run(m, mkdir, state, index, step, log, cwd="/", as_user=False)
+        await _run(m, step.run, state, index, step, log, timeout=spec.step_timeout,
+                   user=step.value)  # fmt: skip
+    elif step.kind == "copy":
+        # Staged on disk and streamed: a copy step may bring in more than fits in memory.
+        with tempfile.TemporaryDirectory(prefix=".tmp-copy-", dir=env.cache) as staging:
+            tar = Path(staging) / "copy.tar"
+            dest = await asyncio.to_thread(_copy_tar, step, tar)
+            log(f"  copying {tar.stat().st_size / 1e6:.1f} MB into {dest}")
+            # Isolated (-I): the template's PYTHON* variables and files are not ours.
+            unpack = ["/usr/bin/python3", "-I", "-c", _UNPACK, dest,
+                      *([step.chown] if step.chown else [])]  # fmt: skip
+            await _run(m, unpack, state, index, step, log, cwd="/", as_user=False, input=tar)
+    else:
+        raise BuildError(f"step {index}: unknown kind {step.kind!r}")
+    t2 = time.monotonic()
+    tmp = cache.new_tmp()
     try:
-        if step.kind == "workdir":
-            assert step.value is not None
-            await _run(
-                m, ["mkdir", "-p", step.value], state, index, step, log, cwd="/", as_user=False
-            )
-        elif step.kind == "run":
-            assert step.run is not None
-            if state.workdir:
-                mkdir = ["mkdir", "-p", state.workdir]
-                await _run(m, mkdir, state, index, step, log, cwd="/", as_user=False)
-            await _run(m, step.run, state, index, step, log, timeout=spec.step_timeout,
-                       user=step.value)  # fmt: skip
-        elif step.kind == "copy":
-            # Staged on disk and streamed: a copy step may bring in more than fits in memory.
-            with tempfile.TemporaryDirectory(prefix=".tmp-copy-", dir=env.cache) as staging:
-                tar = Path(staging) / "copy.tar"
-                dest = await asyncio.to_thread(_copy_tar, step, tar)
-                log(f"  copying {tar.stat().st_size / 1e6:.1f} MB into {dest}")
-                # Isolated (-I): the template's PYTHON* variables and files are not ours.
-                unpack = ["/usr/bin/python3", "-I", "-c", _UNPACK, dest,
-                          *([step.chown] if step.chown else [])]  # fmt: skip
-                await _run(
-                    m, unpack, state, index, step, log, cwd="/", as_user=False, input=tar,
-                )  # fmt: skip
-        else:
-            raise BuildError(f"step {index}: unknown kind {step.kind!r}")
-        t2 = time.monotonic()
-        await _settle_disk(m)
-        t3 = time.monotonic()
-        log(
-            f"  build VM: boot {t1 - t0:.1f} s, step {t2 - t1:.1f} s, sync and stop {t3 - t2:.1f} s"
-        )
-        tmp = cache.new_tmp()
-        try:
+        if last:
+            await _settle_disk(m)
             await asyncio.to_thread(clone_file, m.disk, tmp / ROOTFS_FILE)
-            return cache.publish(tmp, key, step.describe())
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    finally:
-        await m.close()
+        else:
+            # Frozen, the ext4 is flushed with an empty journal: its reflink is whole.
+            await m.agent.freeze_root_fs()
+            try:
+                await asyncio.to_thread(clone_file, m.disk, tmp / ROOTFS_FILE)
+            finally:
+                await m.agent.thaw_root_fs()
+        entry = cache.publish(tmp, key, step.describe())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    kept = "sealed and stopped" if last else "disk kept"
+    log(f"  build VM: step {t2 - t1:.1f} s, {kept} in {time.monotonic() - t2:.1f} s")
+    return entry
 
 
 async def _settle_disk(m: Machine) -> None:
