@@ -11,7 +11,8 @@ way. Three kinds of connection are then reset with their request unanswered:
 - those kept alive by their client after an answer that ended once the stop had begun: uvicorn
   closes them after it without saying so, and the client's next request goes out on a
   connection being closed. Every answer begun after the stop began says `Connection: close`,
-  so the client opens a new connection (refused, until a replacement listens) instead."""
+  so the client opens a new connection (refused, until a replacement listens) instead; an
+  answer already under way (a stream) cannot say it any more."""
 
 from __future__ import annotations
 

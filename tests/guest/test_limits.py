@@ -70,6 +70,7 @@ async def test_machine_changing_duties_are_refused_outside_a_vm(agent: AgentClie
         ("seal_root_fs", {}),
         ("freeze_root_fs", {}),
         ("thaw_root_fs", {}),
+        ("end_processes", {}),
         ("install_ca", {"pem": "x"}),
     ):
         with pytest.raises(AgentError, match="only works inside a VM") as e:

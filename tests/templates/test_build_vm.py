@@ -234,6 +234,55 @@ run = "echo partial > /partial; echo about to fail; exit 3"
     assert list(env.build_vms.iterdir()) == []
 
 
+async def test_what_a_step_leaves_running_ends_with_it(
+    runtime: LocalRuntime, env: BuildEnv, debian_image: str
+) -> None:
+    """Steps share a build VM: a daemon a step leaves is killed before its disk is kept, so it
+    neither writes on into the copy nor runs in the next step (a rebuild from the cache would
+    not have it either)."""
+    daemon = "while :; do date >> /var/tmp/ticks; sleep 0.05; done"
+    start = f"nohup sh -c '{daemon}' >/dev/null 2>&1 & echo $! > /var/tmp/pid; sleep 0.5"
+    ticks = "wc -l < /var/tmp/ticks"
+    gone = f"! kill -0 $(cat /var/tmp/pid) && n=$({ticks}) && sleep 1 && test $({ticks}) = $n"
+    spec = parse_spec(
+        f"""
+[template]
+name = "daemon-{uuid.uuid4().hex[:8]}"
+from = "oci://{debian_image}"
+insecure = true
+[[steps]]
+run = "{start}"
+[[steps]]
+run = "{gone}"
+""",
+        Path("/"),
+    )
+    record = await build_template(spec, env, print)
+    async for m in boot(runtime, record.rootfs):
+        assert int((await m.agent.run(["wc", "-l", "/var/tmp/ticks"])).stdout.split()[0]) > 0
+
+
+async def test_a_step_that_freezes_the_root_fails_clearly(env: BuildEnv, debian_image: str) -> None:
+    freeze = "import fcntl, os; fcntl.ioctl(os.open(chr(47), 0), 0xC0045877, 0)"  # FIFREEZE /
+    spec = parse_spec(
+        f"""
+[template]
+name = "frozen"
+from = "oci://{debian_image}"
+insecure = true
+[[steps]]
+run = "python3 -c '{freeze}' # {uuid.uuid4().hex}"
+[[steps]]
+run = "true"
+""",
+        Path("/"),
+    )
+    with pytest.raises(BuildError, match=r"step 1: the build VM could not keep its disk"):
+        await build_template(spec, env, print)
+    assert build_vmm_pids(env.build_vms) == set()
+    assert not [p for p in env.cache.iterdir() if p.name.startswith(".tmp")]
+
+
 async def test_cancelled_build_leaves_nothing_behind(env: BuildEnv, debian_image: str) -> None:
     spec = parse_spec(
         f"""

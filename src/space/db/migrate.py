@@ -5,10 +5,12 @@ add what this one may ignore (expand, then contract: docs/upgrading.md), so this
 on it, and a rollback can start the previous release's services again.
 
 A rollout migrates under live traffic, and the migrations, run in one transaction, take their
-tables' locks one after another. The upgrade waits at most LOCK_WAIT for each: no request
-queues behind it for longer, and when it and a request wait on each other it gives up first
-(PostgreSQL looks for deadlocks after 1 s, and the one who looks gives up), so the request goes
-on. It is then tried again, whole, until RETRY_FOR_S have passed."""
+tables' locks one after another. The upgrade waits at most LOCK_WAIT for each lock it asks for,
+so a table a long transaction holds does not stop every request behind the upgrade's queued
+lock for longer; and when it and a request wait on each other, it usually gives up first
+(PostgreSQL looks for a deadlock 1 s into a wait, and the one who looks gives up), so the
+request goes on. A request that waited more than LOCK_WAIT before the upgrade did can still be
+the one cancelled. The upgrade is tried again, whole, until RETRY_FOR_S have passed."""
 
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ def _upgrade(connection: Connection) -> str | None:
     """Upgrades to this release's newest revision; or, when the database is at a revision this
     release does not know, leaves it and returns that revision."""
     connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})")
-    # After the advisory lock: another process's upgrade is waited for however long it takes.
+    # After the advisory lock: another process's upgrade is waited for as before (within the
+    # connection's statement timeout).
     connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
     cfg = _config(connection)
     current = MigrationContext.configure(connection).get_current_revision()

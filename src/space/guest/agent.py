@@ -251,6 +251,7 @@ class Agent:
             "seal_root_fs": self.in_vm_only(storage.seal_root_fs),
             "freeze_root_fs": self.in_vm_only(storage.freeze_root_fs),
             "thaw_root_fs": self.in_vm_only(storage.thaw_root_fs),
+            "end_processes": self.in_vm_only(storage.end_processes),
             "install_ca": self.in_vm_only(trust.install_ca),
             "tcp_connect": tcp.tcp_connect,
         }

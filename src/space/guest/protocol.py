@@ -72,6 +72,8 @@ calls (never a program of the guest's, which the tenant may have replaced; see `
   freeze_root_fs {trim? (true)}       → {trimmed_bytes}: FITRIM of / (best effort), then FIFREEZE:
         / flushed with an empty journal, its writes held (a build step's disk copied meanwhile)
   thaw_root_fs {}                    → {thawed}: FITHAW of / (false: it was not frozen)
+  end_processes {}                   → {ended}: SIGKILL to every process the agent started and
+        their descendants (cgroup.kill of tenant/), waited for (false: some outlived the wait)
   install_ca {pem}                   → {ca, bundle, bundle_size, system_bundle}:
         /etc/space/ca.pem and ca-bundle.pem (the system bundle, then the CA), atomic, root 0644
   tcp_connect {port, host? (127.0.0.1; an address of the guest), timeout?}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,6 +87,22 @@ def tenant() -> Iterator[None]:
         yield
     finally:
         (AGENT / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def end_all(wait_s: float) -> bool:
+    """Kill every process the agent started and everything they started (cgroup.kill: a
+    daemon that forked away too), then wait up to `wait_s` for them to be gone; False if some
+    were still there, or if this kernel gave no cgroups to find them by."""
+    if not _active:
+        return False
+    (TENANT / "cgroup.kill").write_text("1")
+    deadline = time.monotonic() + wait_s
+    while "populated 1" in (TENANT / "cgroup.events").read_text():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    _reap()
+    return True
 
 
 def _reap() -> None:

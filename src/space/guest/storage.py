@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
-from . import system
+from . import reserve, system
 from .common import Json, OpError, blocking, check_path, list_arg, os_error
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ MAX_TARGETS = 16
 MAX_LAYERS = 8  # mounts stacked on one target that an unmount takes off, the volume last
 MAX_DISKS = 1024  # entries of /sys/block looked at
 DISK_WAIT_S = 10.0
+END_WAIT_S = 10.0  # for killed processes to be gone (a process in D state takes its time)
 POLL_S = 0.02
 SYSFS_MAX = 4096
 SERIAL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,19}$")  # a virtio-blk serial: 20 bytes
@@ -390,3 +391,9 @@ def _thaw_root() -> Json:
     finally:
         os.close(fd)
     return {"thawed": True}
+
+
+async def end_processes(conn: Connection, channel: int, req: Json) -> Json:
+    """Kill every process the agent started and all they started (a build step's daemons), so
+    that nothing runs on into what comes next; `ended` is false if some outlived the wait."""
+    return {"ended": await blocking(reserve.end_all, END_WAIT_S)}

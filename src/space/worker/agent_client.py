@@ -8,8 +8,8 @@ The guest belongs to the tenant, who is root there, so its agent may be hostile:
 a deadline (`AgentTimeout`), `run` keeps at most `max_output` bytes of each stream, `read_file`
 at most `max_bytes`, a listing at most `limit` entries. Platform duties never run a program of
 the guest's: they are the agent's built-in calls (`sync`, `mount_volumes`, `unmount`,
-`grow_root_fs`, `seal_root_fs`, `freeze_root_fs`, `thaw_root_fs`, `install_ca`,
-`tcp_connect`).
+`grow_root_fs`, `seal_root_fs`, `freeze_root_fs`, `thaw_root_fs`, `end_processes`,
+`install_ca`, `tcp_connect`).
 """
 
 from __future__ import annotations
@@ -371,6 +371,11 @@ class AgentClient(AgentConnection):
     async def thaw_root_fs(self, *, deadline: float = CALL_DEADLINE_S) -> bool:
         """Let the guest's writes go again; False if the root was not frozen."""
         return plat.root_fs_thawed(await self.call("thaw_root_fs", deadline=deadline))
+
+    async def end_processes(self, *, deadline: float = CALL_DEADLINE_S) -> bool:
+        """Kill every process started in the guest and all they started; False if some
+        outlived the guest's wait (or it has no cgroups to find them by)."""
+        return plat.processes_ended(await self.call("end_processes", deadline=deadline))
 
     async def install_ca(self, pem: bytes, *, deadline: float = CALL_DEADLINE_S) -> CAInstall:
         """Make `pem` the guest's /etc/space/ca.pem and /etc/space/ca-bundle.pem the system's

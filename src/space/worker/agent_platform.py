@@ -130,6 +130,10 @@ def root_fs_thawed(body: dict[str, Any]) -> bool:
     return field(body, "thawed", bool)
 
 
+def processes_ended(body: dict[str, Any]) -> bool:
+    return field(body, "ended", bool)
+
+
 def ca_install(body: dict[str, Any]) -> CAInstall:
     return CAInstall(
         ca_path=field(body, "ca", str),

@@ -45,7 +45,7 @@ def clone_file(src: Path, dst: Path) -> bool:
         reflink(src, dst)
         return True
     except ReflinkUnsupported as e:
-        if e.across:  # an image entering the pool from a cache elsewhere, say: once per image
+        if e.across:  # an image entering the pool from a cache elsewhere, say
             log.info("copying %s into %s in full: a reflink cannot cross file systems", src, dst)
         else:
             log.warning(

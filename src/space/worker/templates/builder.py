@@ -4,11 +4,12 @@ Every stage is a cache entry `<root>/template-cache/<key>/rootfs.ext4`, where th
 hash over the source's digest and every step so far (with the contents of the files a `copy`
 brings in). A step whose key is cached is not run: its disk is taken as it is, so changing step 5
 of 8 runs steps 5-8 only. The steps that change the disk run in one build VM, booted on a
-reflink of the last cached disk: after each, the guest's root is frozen (flushed, its journal
-empty) while its disk is kept as the step's entry (a reflink again), then thawed for the next;
-after the last, it is sealed (read-only) and the VM stops. `env` and `user` only change how
-later processes run, and need no VM. What a step leaves running or in a tmpfs (/run) is seen
-by the steps after it in that VM, and by none that a later build runs from the cache.
+reflink of the last cached disk: after each, every process the step started is killed, and
+the guest's root is frozen (flushed, its journal empty) while its disk is kept as the step's
+entry (a reflink again), then thawed for the next; after the last, it is sealed (read-only)
+and the VM stops. `env` and `user` only change how later processes run, and need no VM. What a
+step leaves in memory but not on disk (a mount, a file in the tmpfs /run, a sysctl) is seen by
+the steps after it in that VM, and by none that a later build runs from the cache.
 
 The finished template is `<root>/templates/<name>/<digest>/` (rootfs.ext4 + template.json),
 made in a temporary directory and renamed into place; a failed or cancelled build removes its
@@ -233,8 +234,8 @@ async def build_template(
                 _apply_metadata(step, state)
                 log(f"step {i}: {desc}")
                 continue
-            # Keys chain: once a step has run, no later one can be cached (another build of the
-            # same steps at once publishes the same entries, and the first kept wins).
+            # Keys chain: once a step has run, no later one can be cached (a build of the same
+            # steps at once publishes entries of the same keys: the first kept wins).
             cached = cache.get(key) if vm is None else None
             if cached is not None:
                 log(f"step {i}: cached ({desc})")
@@ -471,12 +472,14 @@ async def _vm_step(
     t1 = time.monotonic()
     if step.kind == "workdir":
         assert step.value is not None
-        await _run(m, ["mkdir", "-p", step.value], state, index, step, log, cwd="/", as_user=False)
+        await _run(m, ["mkdir", "-p", step.value], state, index, step, log, cwd="/", as_user=False,
+                   timeout=spec.step_timeout)  # fmt: skip
     elif step.kind == "run":
         assert step.run is not None
         if state.workdir:
             mkdir = ["mkdir", "-p", state.workdir]
-            await _run(m, mkdir, state, index, step, log, cwd="/", as_user=False)
+            await _run(m, mkdir, state, index, step, log, cwd="/", as_user=False,
+                       timeout=spec.step_timeout)  # fmt: skip
         await _run(m, step.run, state, index, step, log, timeout=spec.step_timeout,
                    user=step.value)  # fmt: skip
     elif step.kind == "copy":
@@ -488,22 +491,14 @@ async def _vm_step(
             # Isolated (-I): the template's PYTHON* variables and files are not ours.
             unpack = ["/usr/bin/python3", "-I", "-c", _UNPACK, dest,
                       *([step.chown] if step.chown else [])]  # fmt: skip
-            await _run(m, unpack, state, index, step, log, cwd="/", as_user=False, input=tar)
+            await _run(m, unpack, state, index, step, log, cwd="/", as_user=False, input=tar,
+                       timeout=spec.step_timeout)  # fmt: skip
     else:
         raise BuildError(f"step {index}: unknown kind {step.kind!r}")
     t2 = time.monotonic()
     tmp = cache.new_tmp()
     try:
-        if last:
-            await _settle_disk(m)
-            await asyncio.to_thread(clone_file, m.disk, tmp / ROOTFS_FILE)
-        else:
-            # Frozen, the ext4 is flushed with an empty journal: its reflink is whole.
-            await m.agent.freeze_root_fs()
-            try:
-                await asyncio.to_thread(clone_file, m.disk, tmp / ROOTFS_FILE)
-            finally:
-                await m.agent.thaw_root_fs()
+        await _keep_disk(m, index, tmp / ROOTFS_FILE, last=last)
         entry = cache.publish(tmp, key, step.describe())
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -511,6 +506,27 @@ async def _vm_step(
     kept = "sealed and stopped" if last else "disk kept"
     log(f"  build VM: step {t2 - t1:.1f} s, {kept} in {time.monotonic() - t2:.1f} s")
     return entry
+
+
+async def _keep_disk(m: Machine, index: int, dest: Path, *, last: bool) -> None:
+    """A reflink at `dest` of the build VM's disk as step `index` left it, with nothing the
+    step started still running (in the steps after it, or changing the disk as it is copied):
+    after the `last` step, the VM sealed and stopped; else its root frozen for the copy (the
+    ext4 flushed, its journal empty), then thawed. A guest that does not (a step that froze /
+    itself, a process that will not die) fails the step."""
+    try:
+        if not await m.agent.end_processes():
+            raise BuildError(f"step {index}: what it started would not end")
+        if last:
+            await _settle_disk(m)
+            await asyncio.to_thread(clone_file, m.disk, dest)
+            return
+        await m.agent.freeze_root_fs()
+        await asyncio.to_thread(clone_file, m.disk, dest)
+        if not await m.agent.thaw_root_fs():
+            raise BuildError(f"step {index}: the build VM's root was thawed while it was copied")
+    except AgentError as e:
+        raise BuildError(f"step {index}: the build VM could not keep its disk: {e}") from e
 
 
 async def _settle_disk(m: Machine) -> None:
