@@ -30,7 +30,7 @@ from space.e2b.rest import Lenient
 from space.worker.api.models import MAX_CONTEXT_B64
 from space.worker.templates.errors import SpecError, TemplateError
 from space.worker.templates.registry import ImageReference, is_local_host
-from space.worker.templates.spec import MODE, OWNER, image_path, spec_text
+from space.worker.templates.spec import MODE, OWNER, image_path, leaves_context, spec_text
 
 FILES_HASH = re.compile(r"^[0-9a-f]{64}$")
 MAX_STEPS = 256
@@ -163,7 +163,7 @@ def _copy(step: BuildStep, workdir: str | None, bad: Any) -> dict[str, Any]:
         raise bad("needs the filesHash of its uploaded files")
     src, dest, user, mode = args
     src = posixpath.normpath(src)
-    if src.startswith(("/", "../")) or src == "..":
+    if leaves_context(src):
         raise bad(f"{src!r}: sources are in the template's file context")
     copy: dict[str, Any] = {"src": f"{step.files_hash}/{src}",
                             "dst": _absolute(workdir, dest, bad)}  # fmt: skip
@@ -238,12 +238,10 @@ class _Counted(io.RawIOBase):
 def _repack(context: tarfile.TarFile, tf: tarfile.TarFile, member: tarfile.TarInfo,
             files_hash: str) -> None:  # fmt: skip
     name = posixpath.normpath(member.name)
-    inside = not (name.startswith(("/", "../")) or name == "..")
-    if member.issym():  # a link stays among the files it came with
+    inside = not leaves_context(name)
+    if member.issym():  # a link stays among the files it came with (an absolute one leaves)
         target = posixpath.normpath(posixpath.join(posixpath.dirname(name), member.linkname))
-        inside = inside and not member.linkname.startswith("/") and not (
-            target.startswith("../") or target == ".."
-        )  # fmt: skip
+        inside = inside and not leaves_context(target)
     if not inside or not (member.isreg() or member.isdir() or member.issym()):
         raise APIError(400, f"the files of hash {files_hash}: {member.name!r} is not a file, "
                             "directory or link inside the file context")  # fmt: skip

@@ -56,6 +56,11 @@ def _own(who: Tenant, template_id: str) -> str:
     return name
 
 
+def _check_hash(files_hash: str) -> None:
+    if not FILES_HASH.fullmatch(files_hash):
+        raise APIError(400, "a files hash is 64 lower-case hex digits")
+
+
 @router.post("/v3/templates", status_code=202)
 @router.post("/v2/templates", status_code=202, include_in_schema=False)
 async def ask_build(body: BuildAsk, who: E2BCaller) -> dict[str, Any]:
@@ -80,8 +85,7 @@ async def files(template_id: str, files_hash: str, request: Request, svc: Svc,
     """Whether a COPY step's files are here, and where to upload them if not."""
     require_admin(who, "build templates")
     _own(who, template_id)
-    if not FILES_HASH.fullmatch(files_hash):
-        raise APIError(400, "a files hash is 64 lower-case hex digits")
+    _check_hash(files_hash)
     token = await svc.store.want_upload(who.id, files_hash)
     if token is None:
         return {"present": True}
@@ -96,8 +100,7 @@ async def upload(
 ) -> Response:  # fmt: skip
     """The upload itself: its URL's token is its authority, checked before the body is read
     (the API caps its size)."""
-    if not FILES_HASH.fullmatch(files_hash):
-        raise APIError(400, "a files hash is 64 lower-case hex digits")
+    _check_hash(files_hash)
     tenant_id = await svc.store.upload_owner(files_hash, token)
     if tenant_id is None:
         raise APIError(403, f"no upload of {files_hash} is asked for with this URL")

@@ -30,6 +30,7 @@ class UploadQueries(Queries):
         """None when the tenant's file of that hash is here; otherwise a token that uploads it
         (a new one each time: an earlier one no longer does)."""
         token = secrets.token_urlsafe(24)
+        token_sha256 = _sha(token)
         u = t.e2b_uploads.c
         async with self.engine.begin() as c:
             await lock_for(c, tenant_id, None)  # its rows are counted: one at a time
@@ -40,10 +41,10 @@ class UploadQueries(Queries):
                                    "build with those, or wait a day")  # fmt: skip
             q = (
                 pg_insert(t.e2b_uploads)
-                .values(tenant_id=tenant_id, hash=file_hash, token_sha256=_sha(token))
+                .values(tenant_id=tenant_id, hash=file_hash, token_sha256=token_sha256)
                 .on_conflict_do_update(
                     index_elements=[u.tenant_id, u.hash],
-                    set_={"token_sha256": _sha(token), "created_at": sa.func.now()},
+                    set_={"token_sha256": token_sha256, "created_at": sa.func.now()},
                     where=u.data.is_(None),
                 )
                 .returning(u.hash)

@@ -37,7 +37,7 @@ from e2b_dockerfile_utils import (
 )
 
 from space.worker.templates.errors import SpecError
-from space.worker.templates.spec import MODE, OWNER, image_path, spec_text
+from space.worker.templates.spec import MODE, OWNER, image_path, leaves_context, spec_text
 
 IGNORE_FILE = ".dockerignore"
 MAX_DOCKERFILE_BYTES = 1 << 20
@@ -251,7 +251,7 @@ def _copy(b: _Build, ins: DockerfileInstruction, flags: dict[str, str], refuse: 
             raise refuse(f"{src}: ADD unpacks archives, which SPACE does not; COPY it, RUN tar")
         # As Docker: sources are in the context, a leading / too; none above it.
         srcs[i] = posixpath.normpath(src.lstrip("/") or ".")
-        if srcs[i] == ".." or srcs[i].startswith("../"):
+        if leaves_context(srcs[i]):
             raise refuse(f"{src}: a source outside the build context")
     dst = image_path(b.workdir, dst, directory=dst.endswith("/") or dst in (".", ".."))
     step: dict[str, Any] = {"src": srcs[0] if len(srcs) == 1 else srcs, "dst": dst}

@@ -168,6 +168,11 @@ def spec_text(template: Mapping[str, Any], steps: list[dict[str, Any]], made_of:
     return text
 
 
+def leaves_context(path: str) -> bool:
+    """Whether a normalised path, read in a build's context, names something outside it."""
+    return path.startswith("/") or path == ".." or path.startswith("../")
+
+
 def image_path(workdir: str, path: str, directory: bool = False) -> str:
     """`path` in the image, a relative one under `workdir`; a directory's ends with / (a copy
     step's way of saying "into")."""
